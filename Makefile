@@ -1,0 +1,39 @@
+# specbuild — two commands matter:  `make setup && make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+WORKDIR ?= specbuild-work
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast demo bench clean help
+
+help:
+	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
+	@echo "make demo    - offline end-to-end demo on SmolLM2-135M-Instruct (convert .. report)"
+	@echo "make test    - the full offline test suite (real tokenizers, models, tritonserver, locust)"
+	@echo "make bench   - engine benchmarks -> bench/results/*.json"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+setup: $(BIN)/python
+	# torch first and pinned: an unpinned torch (or a range admitting newer) pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/specbuild --version
+
+test:
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast:
+	$(BIN)/python -m pytest -q -m "not slow and not server" $(PYTEST_ARGS)
+
+demo:
+	bash scripts/demo.sh "$(WORKDIR)"
+
+bench:
+	$(BIN)/python bench/bench_engine.py --out bench/results/engine.json
+
+clean:
+	rm -rf $(WORKDIR) bench/results report

@@ -1,0 +1,1 @@
+"""The `specbuild` Click CLI: thin commands over the library (parse, call one function, map errors)."""

@@ -1,0 +1,1 @@
+"""Engines: `embedded` (the speculative engine, any machine) and `trtllm` (TensorRT-LLM driver, NVIDIA GPUs)."""

@@ -1,0 +1,1 @@
+"""Locust load tests: Triton users, traffic profiles, prompt sets and the report."""

@@ -1,0 +1,1 @@
+"""Triton model-repository templates rendered by `specbuild deploy`."""

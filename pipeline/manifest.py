@@ -1,0 +1,213 @@
+"""Stage artifacts: content hashes, `manifest.json`, fingerprints and atomic writes.
+
+Every stage writes its output through `stage_output(...)`: files go into a temporary sibling
+directory, `manifest.json` is written last, and the directory is renamed into place. A stage whose
+output already carries a manifest with the same fingerprint (inputs' sha256 + options + versions)
+is a no-op; anything else is rebuilt. An interrupted stage leaves only a `.tmp-*` directory, which
+no later stage accepts and the next run removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from specbuild import __version__
+from specbuild.errors import ManifestError, SpecbuildError
+
+MANIFEST = "manifest.json"
+SCHEMA = 1
+_HASH_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+class HashCache:
+    """sha256 of large files, memoized on (path, size, mtime) in the workspace, so a no-op re-run
+    does not re-read gigabytes of weights."""
+
+    def __init__(self, cache_file: Path | None):
+        self.cache_file = cache_file
+        self._data: dict[str, str] = {}
+        if cache_file and cache_file.exists():
+            try:
+                self._data = json.loads(cache_file.read_text())
+            except (OSError, ValueError):
+                self._data = {}
+
+    def sha256(self, path: Path) -> str:
+        key = _stat_key(path)
+        if key not in self._data:
+            self._data[key] = sha256_file(path)
+            self._save()
+        return self._data[key]
+
+    def _save(self) -> None:
+        if not self.cache_file:
+            return
+        with contextlib.suppress(OSError):
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.cache_file, json.dumps(self._data))
+
+
+def hash_tree(root: Path, cache: HashCache | None = None) -> dict[str, str]:
+    """sha256 of every regular file under `root` (or of `root` itself if it is a file), keyed by relative path."""
+    cache = cache or HashCache(None)
+    root = Path(root)
+    if root.is_file():
+        return {root.name: cache.sha256(root)}
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST:
+            out[str(p.relative_to(root))] = cache.sha256(p)
+    return out
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "specbuild": __version__}
+    for mod in ("torch", "transformers", "tokenizers", "safetensors"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # pragma: no cover - optional at this stage
+            versions[mod] = "not installed"
+    return versions
+
+
+def fingerprint(payload: Any) -> str:
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+@dataclass
+class Manifest:
+    stage: str
+    inputs: dict[str, Any]
+    options: dict[str, Any]
+    versions: dict[str, str] = field(default_factory=tool_versions)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+
+    @property
+    def fingerprint(self) -> str:
+        # Versions of python/torch/transformers/specbuild are part of the key: an upgrade rebuilds.
+        return fingerprint({"stage": self.stage, "inputs": self.inputs, "options": self.options,
+                            "versions": self.versions, "schema": SCHEMA})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "stage": self.stage, "fingerprint": self.fingerprint,
+                "created": self.created, "inputs": self.inputs, "options": self.options,
+                "versions": self.versions, "checks": self.checks, "outputs": self.outputs,
+                **({"extra": self.extra} if self.extra else {})}
+
+
+def read_manifest(directory: Path, stage: str | None = None) -> dict[str, Any]:
+    """Read and validate `directory/manifest.json`. Raises ManifestError with the fix in the message."""
+    path = Path(directory) / MANIFEST
+    if not path.exists():
+        hint = f"run `specbuild {stage}` first" if stage else "re-run the stage that produces it"
+        raise ManifestError(f"{directory} has no {MANIFEST}: it is not a finished specbuild artifact; {hint}.")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ManifestError(f"{path} is not valid JSON ({e}); delete {directory} and re-run the stage.") from e
+    if data.get("schema") != SCHEMA:
+        raise ManifestError(f"{path} has schema {data.get('schema')!r}, this specbuild reads {SCHEMA}; re-run the stage.")
+    if stage and data.get("stage") != stage:
+        raise ManifestError(f"{directory} holds a {data.get('stage')!r} artifact, expected {stage!r}.")
+    return data
+
+
+def is_up_to_date(directory: Path, manifest: Manifest) -> bool:
+    path = Path(directory) / MANIFEST
+    if not path.exists():
+        return False
+    try:
+        return json.loads(path.read_text()).get("fingerprint") == manifest.fingerprint
+    except (OSError, ValueError):
+        return False
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def ensure_writable_dir(directory: Path) -> Path:
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-", delete=True)
+        probe.close()
+    except OSError as e:
+        raise SpecbuildError(f"cannot write to {directory}: {e.strerror or e}. "
+                             "Pass a writable --workdir (or fix its permissions).") from e
+    return directory
+
+
+@contextlib.contextmanager
+def stage_output(final_dir: Path) -> Iterator[Path]:
+    """Yield a temporary directory next to `final_dir`; on success rename it into place atomically.
+
+    On any exception the temporary directory is removed and `final_dir` is left as it was before.
+    The caller must write `manifest.json` into the temp dir (see `write_manifest`) before leaving.
+    """
+    final_dir = Path(final_dir)
+    ensure_writable_dir(final_dir.parent)
+    for stale in final_dir.parent.glob(f".tmp-{final_dir.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted run
+    tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".tmp-{final_dir.name}-"))
+    try:
+        yield tmp
+        if not (tmp / MANIFEST).exists():
+            raise ManifestError(f"internal error: stage wrote no {MANIFEST} into {tmp}")
+        old = None
+        if final_dir.exists():
+            old = final_dir.parent / f".tmp-{final_dir.name}-old-{os.getpid()}"
+            os.replace(final_dir, old)
+        os.replace(tmp, final_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> dict[str, Any]:
+    data = manifest.to_dict()
+    atomic_write_text(Path(directory) / MANIFEST, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    return data
+
+
+def python_tag() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tinymodels import make_checkpoint, make_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tiny_tokenizer) -> Path:
+    """Target: 4 layers, hidden 64."""
+    return make_checkpoint(tmp_path_factory.mktemp("m") / "llama-target", tiny_tokenizer, layers=4, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(tmp_path_factory, tiny_tokenizer) -> Path:
+    """An unrelated, smaller draft with the same tokenizer (acceptance near zero)."""
+    return make_checkpoint(tmp_path_factory.mktemp("m") / "llama-draft", tiny_tokenizer, layers=1,
+                           hidden=32, heads=2, kv_heads=1, intermediate=64, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, tiny_tokenizer) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("m") / "qwen2-target", tiny_tokenizer, arch="qwen2",
+                           layers=2, tie=False, seed=3)
