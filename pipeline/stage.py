@@ -1,0 +1,148 @@
+"""The stage runner shared by convert, build and deploy.
+
+A stage is: upstream manifest(s) + options -> an output directory with a manifest. The runner owns
+the fingerprint no-op, the atomic write (temp dir + rename) and the manifest; the backend owns the
+work. Backends live in `specbuild.engines.<backend>.<stage>` and expose::
+
+    def run(ctx: StageContext) -> StageResult          # do the work into ctx.out_dir
+    def plan(ctx: StageContext) -> list[PlanStep]      # optional: what run() would do (--dry-run)
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from specbuild.errors import SpecbuildError, UsageError
+from specbuild.manifest import (HashCache, Manifest, is_up_to_date, read_manifest, stage_output,
+                                write_manifest)
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("embedded", "trtllm")
+STAGE_DIRS = {"convert": "checkpoints", "build": "engines", "deploy": "model_repository"}
+
+
+@dataclass
+class PlanStep:
+    """One thing a stage would do: a command to run (argv) or a file to write (path + content)."""
+
+    kind: str  # "run" | "write" | "note"
+    argv: list[str] | None = None
+    path: str | None = None
+    content: str | None = None
+    note: str | None = None
+
+    def render(self) -> str:
+        if self.kind == "run":
+            return "$ " + shlex.join(self.argv or [])
+        if self.kind == "write":
+            head = f"--- write {self.path}"
+            return head if self.content is None else f"{head}\n{self.content.rstrip()}"
+        return f"# {self.note}"
+
+
+@dataclass
+class StageContext:
+    stage: str
+    backend: str
+    workdir: Path
+    out_dir: Path                      # where run() writes (a temp dir that is renamed into place)
+    options: dict[str, Any]
+    upstream: dict[str, Any] | None    # the previous stage's manifest (None for convert)
+    upstream_dir: Path | None
+    hashes: HashCache
+    progress: Callable[[str], None] = lambda msg: log.info(msg)
+
+
+@dataclass
+class StageResult:
+    inputs: dict[str, Any] = field(default_factory=dict)    # extra inputs to record (e.g. resolved sources)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageOutcome:
+    out_dir: Path
+    manifest: dict[str, Any]
+    skipped: bool                      # True when the inputs and options were unchanged (no-op)
+    seconds: float
+    plan: list[PlanStep] | None = None
+
+
+def backend_module(backend: str, stage: str):
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    return importlib.import_module(f"specbuild.engines.{backend}.{stage}")
+
+
+def stage_dir(workdir: Path, stage: str) -> Path:
+    return Path(workdir) / STAGE_DIRS[stage]
+
+
+def run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, Any],
+              inputs: dict[str, Any], upstream_stage: str | None = None, force: bool = False,
+              dry_run: bool = False, progress: Callable[[str], None] | None = None) -> StageOutcome:
+    """Run one stage with fingerprinting and an atomic write.
+
+    `inputs` must already identify the inputs by content (sha256); the fingerprint is
+    stage + inputs + options + tool versions, so unchanged inputs make the stage a no-op.
+    """
+    t0 = time.perf_counter()
+    workdir = Path(workdir)
+    out_dir = stage_dir(workdir, stage)
+    upstream = upstream_dir = None
+    if upstream_stage:
+        upstream_dir = stage_dir(workdir, upstream_stage)
+        upstream = read_manifest(upstream_dir, upstream_stage)
+        up_backend = upstream.get("options", {}).get("backend")
+        if up_backend and up_backend != backend:
+            raise UsageError(f"{upstream_dir} was made for backend {up_backend!r}, not {backend!r}; "
+                             f"re-run `specbuild {upstream_stage} --backend {backend}` or pass "
+                             f"--backend {up_backend}.")
+        inputs = {**inputs, upstream_stage: upstream["fingerprint"]}
+    mod = backend_module(backend, stage)
+    hashes = HashCache(workdir / ".hash-cache.json") if not dry_run else HashCache(None)
+    options = {**options, "backend": backend}
+    ctx = StageContext(stage=stage, backend=backend, workdir=workdir, out_dir=out_dir, options=options,
+                       upstream=upstream, upstream_dir=upstream_dir, hashes=hashes,
+                       progress=progress or (lambda msg: log.info(msg)))
+    if dry_run:
+        if not hasattr(mod, "plan"):
+            raise UsageError(f"--dry-run is not available for `{stage}` with backend {backend!r}.")
+        steps = mod.plan(ctx)
+        return StageOutcome(out_dir, {}, skipped=False, seconds=time.perf_counter() - t0, plan=steps)
+    manifest = Manifest(stage=stage, inputs=inputs, options=options)
+    if not force and is_up_to_date(out_dir, manifest):
+        return StageOutcome(out_dir, read_manifest(out_dir, stage), skipped=True,
+                            seconds=time.perf_counter() - t0)
+    with stage_output(out_dir) as tmp:
+        ctx.out_dir = tmp
+        try:
+            result: StageResult = mod.run(ctx)
+        except SpecbuildError:
+            raise
+        except KeyboardInterrupt:
+            raise
+        manifest.inputs = {**inputs, **result.inputs}
+        # The fingerprint must not depend on what run() discovered, only on what the caller fixed.
+        fp = Manifest(stage=stage, inputs=inputs, options=options, versions=manifest.versions).fingerprint
+        manifest.outputs, manifest.checks, manifest.extra = result.outputs, result.checks, result.extra
+        data = write_manifest(tmp, manifest)
+        data["fingerprint"] = fp
+        write_manifest_raw(tmp, data)
+    return StageOutcome(out_dir, data, skipped=False, seconds=time.perf_counter() - t0)
+
+
+def write_manifest_raw(directory: Path, data: dict[str, Any]) -> None:
+    import json
+
+    from specbuild.manifest import MANIFEST, atomic_write_text
+    atomic_write_text(Path(directory) / MANIFEST, json.dumps(data, indent=2, default=str) + "\n")
