@@ -1,0 +1,256 @@
+"""`specbuild verify`: prove a running deployment is lossless.
+
+Two checks against any deployment that speaks the client contract (embedded or TensorRT-LLM):
+
+* **greedy identity** — for every prompt, the output with speculation (K drafts) and without (K = 0)
+  must be token-identical. On a difference we report the first diverging token position with context.
+* **sampling distribution** — speculative sampling is lossless in distribution, not per sample. For
+  one prompt we draw `seeds` samples with speculation and `seeds` without, and for each of the first
+  `positions` output positions run a two-sample chi-square homogeneity test on the token counts
+  (rare tokens pooled so every expected count is >= 5). Drift is declared when any position's
+  p-value is below `alpha / positions` (Bonferroni): the family-wise false-alarm rate is <= `alpha`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+from specbuild.errors import SpecbuildError, UsageError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarize in one sentence: The meeting covered the budget, hiring plans and the roadmap for next year.",
+    "List three colors of the rainbow.",
+)
+
+
+class GenerateFn(Protocol):
+    def __call__(self, prompt: str, *, num_draft_tokens: int, max_tokens: int, temperature: float,
+                 top_k: int, top_p: float, seed: int | None) -> str: ...
+
+
+@dataclass
+class GreedyCase:
+    prompt: str
+    identical: bool
+    tokens_spec: int
+    tokens_plain: int
+    first_divergence: int | None = None     # token index in the output where the two differ
+    context: str | None = None              # the common prefix's tail and both continuations
+
+
+@dataclass
+class PositionTest:
+    position: int
+    statistic: float
+    dof: int
+    p_value: float
+    categories: int
+
+
+@dataclass
+class SamplingResult:
+    prompt: str
+    seeds: int
+    temperature: float
+    alpha: float
+    threshold: float
+    positions: list[PositionTest] = field(default_factory=list)
+
+    @property
+    def drift(self) -> bool:
+        return any(t.p_value < self.threshold for t in self.positions)
+
+
+@dataclass
+class VerifyReport:
+    num_draft_tokens: int
+    greedy: list[GreedyCase]
+    sampling: SamplingResult | None
+
+    @property
+    def ok(self) -> bool:
+        return all(c.identical for c in self.greedy) and not (self.sampling and self.sampling.drift)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        if self.sampling:
+            d["sampling"]["drift"] = self.sampling.drift
+        return d
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where the token sequences differ (a length difference counts)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """Survival function of the chi-square distribution (regularized upper incomplete gamma)."""
+    import torch
+
+    if dof <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(x / 2.0, dtype=torch.float64)))
+
+
+def homogeneity_test(a: Counter, b: Counter, min_expected: float = 5.0) -> tuple[float, int, float, int]:
+    """Two-sample chi-square test that counts `a` and `b` come from one distribution.
+
+    Categories whose expected count (in the smaller sample) is below `min_expected` are pooled into one
+    "other" bin, which keeps the chi-square approximation valid. Returns (statistic, dof, p, categories).
+    """
+    na, nb = sum(a.values()), sum(b.values())
+    if na == 0 or nb == 0:
+        return 0.0, 0, 1.0, 0
+    total = a + b
+    n = na + nb
+    small = min(na, nb)
+    keep = [k for k, c in total.items() if c * small / n >= min_expected]
+    rows = [(a[k], b[k]) for k in keep]
+    other = (na - sum(r[0] for r in rows), nb - sum(r[1] for r in rows))
+    if other[0] + other[1] > 0:
+        rows.append(other)
+    if len(rows) < 2:
+        return 0.0, 0, 1.0, len(rows)
+    stat = 0.0
+    for ca, cb in rows:
+        tot = ca + cb
+        ea, eb = tot * na / n, tot * nb / n
+        stat += (ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb
+    dof = len(rows) - 1
+    return stat, dof, chi2_sf(stat, dof), len(rows)
+
+
+def _map(fn: Callable, items: list, concurrency: int) -> list:
+    if concurrency <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(fn, items))
+
+
+def verify_greedy(generate: GenerateFn, tokenize: Callable[[str], list[int]], prompts: Sequence[str], *,
+                  num_draft_tokens: int, max_tokens: int, concurrency: int = 4) -> list[GreedyCase]:
+    def run(args):
+        prompt, k = args
+        return generate(prompt, num_draft_tokens=k, max_tokens=max_tokens, temperature=0.0, top_k=0,
+                        top_p=1.0, seed=None)
+
+    jobs = [(p, k) for p in prompts for k in (num_draft_tokens, 0)]
+    outs = _map(run, jobs, concurrency)
+    cases = []
+    for i, prompt in enumerate(prompts):
+        spec, plain = outs[2 * i], outs[2 * i + 1]
+        ts, tp = tokenize(spec), tokenize(plain)
+        pos = first_divergence(ts, tp) if spec != plain else None
+        if spec != plain and pos is None:
+            pos = 0  # texts differ but re-tokenize equal (cannot happen for a deterministic tokenizer)
+        ctx = None
+        if pos is not None:
+            common = _decode_prefix(spec, plain)
+            ctx = (f"...{common[-60:]!r} | with K={num_draft_tokens}: {spec[len(common):][:60]!r} | "
+                   f"without: {plain[len(common):][:60]!r}")
+        cases.append(GreedyCase(prompt=prompt, identical=spec == plain, tokens_spec=len(ts), tokens_plain=len(tp),
+                                first_divergence=pos, context=ctx))
+    return cases
+
+
+def _decode_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def verify_sampling(generate: GenerateFn, tokenize: Callable[[str], list[int]], prompt: str, *,
+                    num_draft_tokens: int, seeds: int, positions: int, temperature: float, top_k: int = 0,
+                    top_p: float = 1.0, alpha: float = 1e-3, concurrency: int = 8) -> SamplingResult:
+    if seeds < 50:
+        raise UsageError(f"--seeds {seeds} is too few for a distribution test; use at least 50 (200+ recommended).")
+    if temperature <= 0:
+        raise UsageError("the sampling check needs --temperature > 0 (temperature 0 is greedy, checked separately).")
+
+    def run(args):
+        k, seed = args
+        text = generate(prompt, num_draft_tokens=k, max_tokens=positions, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed)
+        return tokenize(text)[:positions]
+
+    jobs = [(k, s) for s in range(1, seeds + 1) for k in (num_draft_tokens, 0)]
+    outs = _map(run, jobs, concurrency)
+    spec, plain = outs[0::2], outs[1::2]
+    result = SamplingResult(prompt=prompt, seeds=seeds, temperature=temperature, alpha=alpha,
+                            threshold=alpha / positions)
+    for pos in range(positions):
+        a = Counter(t[pos] for t in spec if len(t) > pos)
+        b = Counter(t[pos] for t in plain if len(t) > pos)
+        stat, dof, p, cats = homogeneity_test(a, b)
+        result.positions.append(PositionTest(position=pos, statistic=round(stat, 3), dof=dof, p_value=p,
+                                             categories=cats))
+    return result
+
+
+def verify(generate: GenerateFn, tokenize: Callable[[str], list[int]], *, prompts: Sequence[str] = DEFAULT_PROMPTS,
+           num_draft_tokens: int = 4, max_tokens: int = 32, sampling_seeds: int = 0, positions: int = 4,
+           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, alpha: float = 1e-3,
+           concurrency: int = 8, out: Path | None = None) -> VerifyReport:
+    """Run the greedy identity check and (when `sampling_seeds` > 0) the distribution test."""
+    if num_draft_tokens <= 0:
+        raise UsageError("--num-draft-tokens must be > 0: verify compares speculation (K > 0) against K = 0.")
+    if not prompts:
+        raise UsageError("no prompts to verify; pass --prompt or --prompts FILE.")
+    greedy = verify_greedy(generate, tokenize, prompts, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
+                           concurrency=concurrency)
+    sampling = None
+    if sampling_seeds:
+        sampling = verify_sampling(generate, tokenize, prompts[0], num_draft_tokens=num_draft_tokens,
+                                   seeds=sampling_seeds, positions=positions, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, alpha=alpha, concurrency=concurrency)
+    report = VerifyReport(num_draft_tokens=num_draft_tokens, greedy=greedy, sampling=sampling)
+    if out:
+        from specbuild.manifest import atomic_write_text
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(out), json.dumps(report.to_dict(), indent=2) + "\n")
+    return report
+
+
+def load_prompts(path: Path) -> list[str]:
+    """A prompts file: JSON list of strings, or JSONL with {"prompt": ...}, or one prompt per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"prompts file {path} does not exist.")
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+        if isinstance(data, list) and all(isinstance(x, str) for x in data):
+            return data
+    except ValueError:
+        pass
+    prompts = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                prompts.append(json.loads(line)["prompt"])
+                continue
+            except (ValueError, KeyError) as e:
+                raise SpecbuildError(f"{path}: a JSONL line lacks a 'prompt' field ({e}).") from e
+        prompts.append(line)
+    return prompts
