@@ -18,6 +18,8 @@ from specbuild.errors import SpecbuildError
 
 # command name -> module in specbuild.cli exposing a click.Command named `command`
 COMMANDS: dict[str, str] = {
+    "check": "convert",
+    "convert": "convert",
 }
 
 

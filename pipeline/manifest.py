@@ -86,10 +86,12 @@ def hash_tree(root: Path, cache: HashCache | None = None) -> dict[str, str]:
 
 def tool_versions() -> dict[str, str]:
     versions = {"python": platform.python_version(), "specbuild": __version__}
+    from importlib.metadata import PackageNotFoundError, version
+
     for mod in ("torch", "transformers", "tokenizers", "safetensors"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:  # pragma: no cover - optional at this stage
+        try:  # package metadata, not `import torch`: a no-op stage must not pay ~1 s of imports
+            versions[mod] = version(mod)
+        except PackageNotFoundError:  # pragma: no cover - optional at this stage
             versions[mod] = "not installed"
     return versions
 

@@ -29,3 +29,12 @@ def tiny_llama_draft(tmp_path_factory, tiny_tokenizer) -> Path:
 def tiny_qwen2(tmp_path_factory, tiny_tokenizer) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("m") / "qwen2-target", tiny_tokenizer, arch="qwen2",
                            layers=2, tie=False, seed=3)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct as an HF directory (materialized once into $SPECBUILD_CACHE, ~1 min)."""
+    from specbuild.sources import resolve
+
+    return resolve("demo:smollm2-135m-instruct").path
+

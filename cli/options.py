@@ -1,0 +1,51 @@
+"""Option decorators shared by the commands (one place for names, defaults and help text).
+
+    @click.command()
+    @workdir_option
+    @backend_option
+    @dry_run_option
+    @force_option
+    def build_command(workdir, backend, dry_run, force): ...
+
+`--workdir` reads, in order: the flag, `SPECBUILD_<COMMAND>_WORKDIR`, the shared `SPECBUILD_WORKDIR`,
+`specbuild.toml`, then the default `specbuild-work`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from specbuild.config import DEFAULT_WORKDIR
+from specbuild.stage import BACKENDS
+
+
+class _SharedEnvOption(click.Option):
+    """An option whose command-specific auto env var (SPECBUILD_<CMD>_<OPT>) wins over a shared one."""
+
+    def resolve_envvar_value(self, ctx: click.Context) -> str | None:
+        if self.allow_from_autoenv and ctx.auto_envvar_prefix and self.name:
+            rv = os.environ.get(f"{ctx.auto_envvar_prefix}_{self.name.upper()}")
+            if rv:
+                return rv
+        return super().resolve_envvar_value(ctx)
+
+
+workdir_option = click.option(
+    "--workdir", type=click.Path(file_okay=False), default=DEFAULT_WORKDIR, show_default=True,
+    cls=_SharedEnvOption, envvar="SPECBUILD_WORKDIR",
+    help="Workspace holding every stage's output (checkpoints/, engines/, model_repository/, ...).")
+
+backend_option = click.option(
+    "--backend", type=click.Choice(BACKENDS), default="embedded", show_default=True,
+    help="embedded: the pure-PyTorch engine (any CPU/GPU); trtllm: TensorRT-LLM (NVIDIA GPU).")
+
+dry_run_option = click.option(
+    "--dry-run", is_flag=True, default=False,
+    help="Print the commands and files the stage would produce, and change nothing.")
+
+force_option = click.option(
+    "--force", is_flag=True, default=False,
+    help="Proceed despite refusable check failures (e.g. a draft larger than the target) and redo the "
+         "stage even when it is up to date.")
