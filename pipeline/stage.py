@@ -101,7 +101,12 @@ def run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, Any
     upstream = upstream_dir = None
     if upstream_stage:
         upstream_dir = stage_dir(workdir, upstream_stage)
-        upstream = read_manifest(upstream_dir, upstream_stage)
+        if dry_run and not (upstream_dir / "manifest.json").exists():
+            # A plan may be printed before the upstream stage ever ran (e.g. trtllm plans on a CPU box).
+            upstream = None
+        else:
+            upstream = read_manifest(upstream_dir, upstream_stage)
+    if upstream is not None:
         up_backend = upstream.get("options", {}).get("backend")
         if up_backend and up_backend != backend:
             raise UsageError(f"{upstream_dir} was made for backend {up_backend!r}, not {backend!r}; "

@@ -1,0 +1,139 @@
+"""deploy (trtllm): engines (or LLM-API options) -> a Triton model repository + the launch command.
+
+Output (engine path)::
+
+    model_repository/triton/{ensemble,preprocessing,postprocessing,tensorrt_llm,tensorrt_llm_draft,
+                             tensorrt_llm_bls}/config.pbtxt (+ 1/)
+    model_repository/tokenizer/            the target tokenizer (pre/post-processing)
+    model_repository/launch.json, launch.sh
+
+Output (llmapi path): triton/tensorrt_llm/{config.pbtxt, 1/model.yaml, 1/model.py...},
+trtllm_serve.yaml, launch.json, launch.sh.
+
+Triton is pointed at `triton/` (not the stage root) so that tokenizer/ and the launch files are not
+mistaken for models. The Python model sources come from the pinned container
+(`--backend-models-dir`, default /app/all_models); see repository.py for why.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from specbuild.errors import CheckFailed, ToolNotAvailable, UsageError
+from specbuild.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
+
+from specbuild.engines.trtllm.build import llm_api_options, to_yaml
+from specbuild.engines.trtllm.common import BUILD_KEYS, source_dir, upstream_path, upstream_root, upstream_settings
+from specbuild.engines.trtllm.launch import engine_launch, launch_json, launch_script, llmapi_launch
+from specbuild.engines.trtllm.repository import (ENGINE_MODELS, LLMAPI_PYTHON_MODELS, PYTHON_MODELS,
+                                                 engine_repository, llmapi_repository, upstream_mismatches)
+from specbuild.engines.trtllm.settings import Settings
+from specbuild.engines.trtllm.versions import ENGINE
+
+TRITON_DIR = "triton"
+SERVE_YAML = "trtllm_serve.yaml"
+
+
+def final_dir(ctx: StageContext) -> Path:
+    """Where the repository will live once the stage finishes (configs hold absolute paths)."""
+    return (Path(ctx.workdir) / STAGE_DIRS["deploy"]).resolve()
+
+
+def render_files(ctx: StageContext, s: Settings, options: dict[str, Any]) -> dict[str, str]:
+    """{path relative to the stage dir: content} of every file deploy writes itself."""
+    root = final_dir(ctx)
+    files: dict[str, str] = {}
+    if s.recipe.generation == ENGINE:
+        engines = upstream_root(ctx).resolve()
+        repo = engine_repository(s, engines_dir=engines, tokenizer_dir=root / "tokenizer")
+        launch = engine_launch(s, root / TRITON_DIR)
+    else:
+        target, draft = source_dir(options, "target"), source_dir(options, "draft")
+        body = to_yaml(llm_api_options(s, draft))
+        repo = llmapi_repository(s, target_dir=target, llm_api_yaml=body)
+        files[SERVE_YAML] = body
+        launch = llmapi_launch(s, root / TRITON_DIR, target, root / SERVE_YAML)
+    files.update({f"{TRITON_DIR}/{rel}": text for rel, text in repo.items()})
+    files["launch.json"] = launch_json(launch)
+    files["launch.sh"] = launch_script(launch)
+    return files
+
+
+def _deploy_settings(ctx: StageContext) -> tuple[Settings, dict[str, Any], list[str]]:
+    s, options, notes = upstream_settings(ctx, BUILD_KEYS)
+    if ctx.upstream is not None and options.get("fast_logits") and not options.get("use_draft_logits"):
+        raise UsageError("--fast-logits passes the draft's generation logits to the target, but the draft engine was "
+                         "built without them; rebuild with `specbuild build --backend trtllm --use-draft-logits`.")
+    return s, options, notes
+
+
+def _python_sources(s: Settings) -> dict[str, str]:
+    return PYTHON_MODELS if s.recipe.generation == ENGINE else LLMAPI_PYTHON_MODELS
+
+
+def plan(ctx: StageContext) -> list[PlanStep]:
+    s, options, notes = _deploy_settings(ctx)
+    out = Path(ctx.out_dir)
+    steps = [PlanStep("note", note=f"TensorRT-LLM {s.recipe.trtllm_version} ({s.recipe.generation} path), "
+                                   f"container {s.recipe.container}")]
+    steps += [PlanStep("note", note=n) for n in notes]
+    for rel, text in render_files(ctx, s, options).items():
+        steps.append(PlanStep("write", path=str(out / rel), content=text))
+    for model, src in _python_sources(s).items():
+        steps.append(PlanStep("note", note=f"copy {Path(s.backend_models_dir) / src} -> "
+                                           f"{out / TRITON_DIR / model / '1'}"))
+    if s.recipe.generation == ENGINE:
+        steps.append(PlanStep("note", note=f"copy {upstream_path(ctx, 'tokenizer')} -> {out / 'tokenizer'}"))
+    return steps
+
+
+def _copy_python_models(s: Settings, triton: Path, files: dict[str, str]) -> list[dict[str, Any]]:
+    src_root = Path(s.backend_models_dir)
+    checks = []
+    for model, rel in _python_sources(s).items():
+        src = src_root / rel
+        if not (src / "model.py").is_file():
+            raise ToolNotAvailable(
+                f"{src / 'model.py'} not found: the Triton Python models come from the TensorRT-LLM container. "
+                f"Run deploy inside {s.recipe.container}, or pass --backend-models-dir pointing at "
+                f"triton_backend/all_models of TensorRT-LLM v{s.recipe.trtllm_version}; or use --dry-run.")
+        upstream_cfg = src.parent / "config.pbtxt"
+        if upstream_cfg.is_file():
+            problems = upstream_mismatches(files[f"{TRITON_DIR}/{model}/config.pbtxt"], upstream_cfg.read_text())
+            if problems:
+                raise CheckFailed(f"the container's {model} model expects tensors our config lacks: {problems}. The "
+                                  f"container does not match TensorRT-LLM {s.recipe.trtllm_version}; use "
+                                  f"{s.recipe.container} or the matching --trtllm-version.")
+            checks.append({"name": f"{model}_matches_container", "ok": True})
+        shutil.copytree(src, triton / model / "1", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return checks
+
+
+def run(ctx: StageContext) -> StageResult:
+    s, options, notes = _deploy_settings(ctx)
+    for n in notes:
+        ctx.progress(n)
+    out = Path(ctx.out_dir)
+    files = render_files(ctx, s, options)
+    for rel, text in files.items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (out / "launch.sh").chmod(0o755)
+    triton = out / TRITON_DIR
+    if s.recipe.generation == ENGINE:
+        for model in ENGINE_MODELS:
+            (triton / model / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copytree(upstream_path(ctx, "tokenizer"), out / "tokenizer")
+    checks = [{"name": "note", "ok": True, "detail": n} for n in notes] + _copy_python_models(s, triton, files)
+    return StageResult(
+        outputs={"triton_model_repository": TRITON_DIR, "launch": "launch.json",
+                 "models": sorted(p.name for p in triton.iterdir() if p.is_dir())},
+        checks=checks,
+        extra={"recipe": s.recipe.to_dict(), "trtllm_options": options,
+               "client_models": ["ensemble", "tensorrt_llm_bls"] if s.recipe.generation == ENGINE
+               else ["tensorrt_llm"]},
+    )

@@ -1,0 +1,126 @@
+"""Which TensorRT-LLM generation a version belongs to, and the container that goes with it.
+
+Two generations (shared/reference/TRTLLM_TRITON.md §0, §1.7):
+
+- **engine**: `convert_checkpoint` / `from_hugging_face(...).save_checkpoint` -> `trtllm-build` ->
+  Triton `inflight_batcher_llm` (draft-target through the BLS model). Exists up to TensorRT-LLM 1.1
+  (legacy since 1.0, removed later). The fully documented recipe is 0.18.0 in
+  `nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3`.
+- **llmapi**: TensorRT-LLM >= 1.0, PyTorch backend, no engines: `speculative_config:
+  {decoding_type: DraftTarget, max_draft_len, speculative_model}` in Triton's llmapi model.yaml or in
+  a `trtllm-serve --config` YAML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+from specbuild.errors import UsageError
+
+ENGINE = "engine"
+LLMAPI = "llmapi"
+GENERATIONS = (ENGINE, LLMAPI)
+
+DEFAULT_VERSION = "0.18.0"
+
+# The engine path: BLS draft-target in one Triton since 0.10; fast logits since 0.15; trtllm-build
+# removed after 1.1. The LLM-API DraftTarget path: PyTorch backend default since 1.0; two-model
+# speculation is reported removed in 1.2 (unconfirmed), so >= 1.2 is refused until verified.
+ENGINE_RANGE = (Version("0.10.0"), Version("1.2.0"))      # [lo, hi)
+LLMAPI_RANGE = (Version("1.0.0"), Version("1.2.0"))
+FAST_LOGITS_SINCE = Version("0.15.0")
+
+# Pinned containers known to carry the given TensorRT-LLM version (major.minor -> tag).
+ENGINE_CONTAINERS = {
+    "0.18": "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3",
+}
+LLMAPI_CONTAINER = "nvcr.io/nvidia/tensorrt-llm/release:{version}"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The resolved toolchain: TensorRT-LLM version, generation, container tag."""
+
+    trtllm_version: str
+    generation: str
+    container: str
+    detected: bool          # True when the version came from an importable tensorrt_llm
+
+    def to_dict(self) -> dict[str, object]:
+        return {"trtllm_version": self.trtllm_version, "generation": self.generation,
+                "container": self.container, "detected": self.detected}
+
+
+def supported_matrix() -> str:
+    """A human-readable table of what is supported (used in refusals and docs)."""
+    lines = [
+        "supported TensorRT-LLM combinations:",
+        f"  engine path (trtllm-build + Triton inflight_batcher_llm BLS): {ENGINE_RANGE[0]} <= version < "
+        f"{ENGINE_RANGE[1]}; pinned recipe {DEFAULT_VERSION} in {ENGINE_CONTAINERS['0.18']}; "
+        "other versions need --container-tag",
+        f"  llmapi path (PyTorch backend, speculative_config DraftTarget): {LLMAPI_RANGE[0]} <= version < "
+        f"{LLMAPI_RANGE[1]}; container {LLMAPI_CONTAINER.format(version='<version>')}",
+        "  TensorRT-LLM 1.0-1.1 offers both; choose with --trtllm-generation engine|llmapi (default llmapi).",
+    ]
+    return "\n".join(lines)
+
+
+def parse_version(text: str) -> Version:
+    try:
+        return Version(str(text).strip())
+    except InvalidVersion as e:
+        raise UsageError(f"--trtllm-version {text!r} is not a version number (e.g. 0.18.0).\n"
+                         f"{supported_matrix()}") from e
+
+
+def detect_installed() -> str | None:
+    """`tensorrt_llm.__version__` when the package imports here, else None."""
+    try:
+        import tensorrt_llm  # noqa: F401  (heavy; only on GPU machines)
+    except Exception:
+        return None
+    return str(getattr(tensorrt_llm, "__version__", "")) or None
+
+
+def default_generation(version: Version) -> str:
+    return LLMAPI if version >= LLMAPI_RANGE[0] else ENGINE
+
+
+def resolve(requested: str | None = None, generation: str | None = None,
+            container_tag: str | None = None, installed: str | None = None) -> Recipe:
+    """Pick the recipe for a requested version (or the installed one, or the pinned default).
+
+    Raises UsageError, with the supported matrix in the message, for an unknown or unsupported
+    combination, and when the requested version differs from the installed tensorrt_llm.
+    """
+    if requested and installed and parse_version(requested).base_version != parse_version(installed).base_version:
+        raise UsageError(f"--trtllm-version {requested} was requested but tensorrt_llm {installed} is installed "
+                         "here; drop --trtllm-version to use the installed one, or run in the container of "
+                         f"{requested}.\n{supported_matrix()}")
+    text = requested or installed or DEFAULT_VERSION
+    version = parse_version(text)
+    gen = generation or default_generation(version)
+    if gen not in GENERATIONS:
+        raise UsageError(f"unknown TensorRT-LLM generation {gen!r}; choose engine or llmapi.\n{supported_matrix()}")
+    lo, hi = ENGINE_RANGE if gen == ENGINE else LLMAPI_RANGE
+    if not lo <= Version(version.base_version) < hi:
+        raise UsageError(f"TensorRT-LLM {text} does not support the {gen} path for draft-target speculative "
+                         f"decoding.\n{supported_matrix()}")
+    if container_tag:
+        container = container_tag
+    elif gen == LLMAPI:
+        container = LLMAPI_CONTAINER.format(version=version.base_version)
+    else:
+        container = ENGINE_CONTAINERS.get(f"{version.major}.{version.minor}", "")
+        if not container:
+            raise UsageError(f"no pinned Triton container is known for TensorRT-LLM {text}; pass --container-tag "
+                             f"(the tritonserver:<yy.mm>-trtllm-python-py3 image that ships it) or use "
+                             f"--trtllm-version {DEFAULT_VERSION}.\n{supported_matrix()}")
+    return Recipe(trtllm_version=str(version), generation=gen, container=container,
+                  detected=installed is not None)
+
+
+def supports_fast_logits(recipe: Recipe) -> bool:
+    return recipe.generation == ENGINE and Version(recipe.trtllm_version) >= FAST_LOGITS_SINCE

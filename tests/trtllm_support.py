@@ -1,0 +1,182 @@
+"""Test support for the TensorRT-LLM backend (tests/test_trtllm_*.py).
+
+TensorRT-LLM cannot exist on CPU-only CI, so three stand-ins are built here, each only recording what
+our code hands it so tests can check the exact arguments, argv and files:
+
+- a `tensorrt_llm` package (Mapping, models.<Class>.from_hugging_face/save_checkpoint/quantize,
+  QuantConfig, QuantAlgo) that appends every call to a JSON-lines log;
+- a `trtllm-build` executable that logs its argv and writes the engine config.json the real tool
+  writes (build_config.speculative_decoding_mode as the integer flag, max_draft_len, ...);
+- the container's `all_models` Python model directories (copied, not run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+from specbuild.manifest import HashCache
+from specbuild.stage import PlanStep, StageContext, stage_dir
+
+STANDIN_INIT = '''
+__version__ = "{version}"
+
+
+class Mapping:
+    def __init__(self, world_size=1, rank=0, tp_size=1, pp_size=1, **kw):
+        self.world_size, self.rank, self.tp_size, self.pp_size = world_size, rank, tp_size, pp_size
+
+    def as_dict(self):
+        return {{"world_size": self.world_size, "rank": self.rank, "tp_size": self.tp_size,
+                "pp_size": self.pp_size}}
+'''
+
+STANDIN_MODELS = '''
+import json, os
+from pathlib import Path
+
+
+def _log(**record):
+    with open(os.environ["TRTLLM_STANDIN_LOG"], "a") as f:
+        f.write(json.dumps(record) + "\\n")
+
+
+class _Model:
+    def __init__(self, mapping):
+        self.mapping = mapping
+
+    @classmethod
+    def from_hugging_face(cls, model_dir, dtype, mapping=None, quant_config=None, **kw):
+        _log(call="from_hugging_face", cls=cls.__name__, model_dir=str(model_dir), dtype=dtype,
+             mapping=mapping.as_dict(), quant=quant_config.as_dict(), kwargs=sorted(kw))
+        return cls(mapping)
+
+    def save_checkpoint(self, output_dir, save_config=True):
+        _log(call="save_checkpoint", output_dir=str(output_dir), save_config=save_config, rank=self.mapping.rank)
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{self.mapping.rank}.safetensors").write_bytes(b"")
+        if save_config:
+            (out / "config.json").write_text(json.dumps({"architecture": type(self).__name__}))
+
+    @classmethod
+    def quantize(cls, model_dir, output_dir, dtype="auto", mapping=None, quant_config=None, **kw):
+        _log(call="quantize", cls=cls.__name__, model_dir=str(model_dir), dtype=dtype, mapping=mapping.as_dict(),
+             quant=quant_config.as_dict(), kwargs=kw)
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")
+        for r in range(mapping.world_size):
+            (out / f"rank{r}.safetensors").write_bytes(b"")
+
+
+class LLaMAForCausalLM(_Model):
+    pass
+
+
+class QWenForCausalLM(_Model):
+    pass
+'''
+
+STANDIN_MODELING_UTILS = '''
+class QuantConfig:
+    def __init__(self, quant_algo=None, kv_cache_quant_algo=None):
+        self.quant_algo, self.kv_cache_quant_algo = quant_algo, kv_cache_quant_algo
+
+    def as_dict(self):
+        return {"quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo}
+'''
+
+STANDIN_QUANT = '''
+class QuantAlgo:
+    W8A16 = "W8A16"
+    W4A16 = "W4A16"
+    FP8 = "FP8"
+'''
+
+FAKE_TRTLLM_BUILD = '''#!{python}
+"""Stand-in trtllm-build: logs argv, writes config.json + rank engines like the real tool."""
+import json, os, sys
+from pathlib import Path
+argv = sys.argv[1:]
+with open(os.environ["TRTLLM_STANDIN_LOG"], "a") as f:
+    f.write(json.dumps({{"call": "trtllm-build", "argv": argv}}) + "\\n")
+def opt(name, default=None):
+    return argv[argv.index(name) + 1] if name in argv else default
+out = Path(opt("--output_dir"))
+out.mkdir(parents=True, exist_ok=True)
+mode = 2 if opt("--speculative_decoding_mode") == "draft_tokens_external" else 1
+if os.environ.get("STANDIN_DROP_SPEC_MODE"):
+    mode = 1
+cfg = {{"pretrained_config": {{"architecture": "LlamaForCausalLM"}},
+       "build_config": {{"max_batch_size": int(opt("--max_batch_size")),
+                        "max_draft_len": int(opt("--max_draft_len", 0)),
+                        "speculative_decoding_mode": mode,
+                        "gather_generation_logits": "--gather_generation_logits" in argv,
+                        "plugin_config": {{"use_paged_context_fmha": opt("--use_paged_context_fmha") == "enable"}}}}}}
+(out / "config.json").write_text(json.dumps(cfg))
+for shard in Path(opt("--checkpoint_dir")).glob("rank*.safetensors"):
+    (out / shard.name.replace(".safetensors", ".engine")).write_bytes(b"engine")
+'''
+
+
+def make_standin_tensorrt_llm(root: Path, version: str = "0.18.0") -> Path:
+    pkg = root / "tensorrt_llm"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "quantization").mkdir()
+    (pkg / "__init__.py").write_text(STANDIN_INIT.format(version=version))
+    (pkg / "models" / "__init__.py").write_text(STANDIN_MODELS)
+    (pkg / "models" / "modeling_utils.py").write_text(STANDIN_MODELING_UTILS)
+    (pkg / "quantization" / "__init__.py").write_text(STANDIN_QUANT)
+    return root
+
+
+def make_fake_trtllm_build(bindir: Path) -> Path:
+    bindir.mkdir(parents=True, exist_ok=True)
+    exe = bindir / "trtllm-build"
+    exe.write_text(FAKE_TRTLLM_BUILD.format(python=sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return exe
+
+
+def make_backend_models(root: Path) -> Path:
+    """The container's all_models layout: Python model dirs (model.py) next to upstream configs."""
+    for rel in ("inflight_batcher_llm/preprocessing", "inflight_batcher_llm/postprocessing",
+                "inflight_batcher_llm/tensorrt_llm_bls", "llmapi/tensorrt_llm"):
+        d = root / rel / "1"
+        d.mkdir(parents=True)
+        (d / "model.py").write_text(textwrap.dedent(f"# container model {rel}\n"))
+    (root / "inflight_batcher_llm/tensorrt_llm_bls/1/lib").mkdir()
+    (root / "inflight_batcher_llm/tensorrt_llm_bls/1/lib/decode.py").write_text("# container BLS loop\n")
+    return root
+
+
+def read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def context(stage: str, workdir: Path, options: dict, upstream: dict | None = None) -> StageContext:
+    """A StageContext as run_stage builds it for a dry run (out_dir = the final stage directory)."""
+    prev = {"convert": None, "build": "convert", "deploy": "build"}[stage]
+    up_dir = stage_dir(workdir, prev) if (prev and upstream is not None) else None
+    return StageContext(stage=stage, backend="trtllm", workdir=workdir, out_dir=stage_dir(workdir, stage),
+                        options={**options, "backend": "trtllm"}, upstream=upstream, upstream_dir=up_dir,
+                        hashes=HashCache(None))
+
+
+def written(steps: list[PlanStep]) -> dict[str, str]:
+    return {s.path: s.content for s in steps if s.kind == "write"}
+
+
+def runs(steps: list[PlanStep]) -> list[list[str]]:
+    return [s.argv for s in steps if s.kind == "run"]
+
+
+def env_with_path(bindir: Path) -> str:
+    return f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
