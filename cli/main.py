@@ -20,6 +20,15 @@ from specbuild.errors import SpecbuildError
 COMMANDS: dict[str, str] = {
     "check": "convert",
     "convert": "convert",
+    "build": "build",
+    "deploy": "deploy",
+    "serve": "serve",
+    "stop": "serve",
+    "status": "serve",
+    "infer": "infer",
+    "loadtest": "loadtest",
+    "verify": "verify",
+    "tune": "tune",
 }
 
 
@@ -61,8 +70,11 @@ def cli(ctx: click.Context, config_path: str | None, verbose: int) -> None:
 
     \b
     Example (the whole pipeline on the offline demo models):
-      specbuild check   --target demo:smollm2-135m-instruct --draft demo:smollm2-135m-instruct-int8
-      specbuild convert --target demo:smollm2-135m-instruct --draft demo:smollm2-135m-instruct-int8
+      specbuild convert --target demo:smollm2-135m-instruct --draft demo:smollm2-135m-instruct
+      specbuild build --draft-quantize int8      # the demo draft: an int8 copy of the target
+      specbuild deploy && specbuild serve --background
+      specbuild verify && specbuild loadtest --profile chat --profile batch
+      specbuild stop
     """
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

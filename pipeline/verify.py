@@ -214,6 +214,9 @@ def verify(generate: GenerateFn, tokenize: Callable[[str], list[int]], *, prompt
         raise UsageError("--num-draft-tokens must be > 0: verify compares speculation (K > 0) against K = 0.")
     if not prompts:
         raise UsageError("no prompts to verify; pass --prompt or --prompts FILE.")
+    if sampling_seeds and sampling_seeds < 50:
+        raise UsageError(f"--seeds {sampling_seeds} is too few for a distribution test; use at least 50 "
+                         "(200+ recommended), or 0 for the greedy check only.")
     greedy = verify_greedy(generate, tokenize, prompts, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
                            concurrency=concurrency)
     sampling = None

@@ -38,3 +38,6 @@ def smollm2_dir() -> Path:
 
     return resolve("demo:smollm2-135m-instruct").path
 
+
+# Real tritonserver fixtures (running_server, server_workdir): see tests/servers.py.
+pytest_plugins = ["servers"]

@@ -1,0 +1,204 @@
+"""Adaptive K vs fixed K vs off on mixed traffic, and the concurrency where drafting stops paying.
+
+On SmolLM2-135M-Instruct (fp32, CPU) with the int8 self-draft (`Engine.from_checkpoints(target, target,
+draft_quantize="int8")`) and the n-gram proposer, in one process:
+
+  step costs      target step, target verify over K+1 positions, int8 draft step (calibrate.forward_probe,
+                  interleaved medians) -> the `calibration` adaptive K reads (as `build` would record it);
+                  re-measured at the start of every run (`Engine.update_calibration`), because on a shared
+                  machine the load, and with it c and v(K), changes from minute to minute
+  mixed traffic   chat (2, through the chat template), code, summarization prompts, greedy, EOS ignored;
+                  batch 1 (one request after another) and batch 4 (all four together, generate_batch);
+                  off, fixed K in {1, 2, 4, 6} and adaptive (num_draft_tokens=-1), for the draft and n-gram;
+                  tok/s = generated tokens / wall time of the whole mix
+  crossover       draft speedup (K=4 vs off, tok/s) at 1, 2, 4, 8 concurrent sequences; the crossover
+                  concurrency is the lowest batch size with speedup < 1.0 (-> `spec_max_concurrency`)
+
+Every cell is measured --runs times, round-robin (one pass over all cells per run, so load bursts from
+other processes hit every cell alike); figures are medians. Writes --out (JSON) and prints a table.
+
+    .venv/bin/python bench/bench_adaptive.py --quick        # ~6 min on an idle 2-core box
+    .venv/bin/python bench/bench_adaptive.py --runs 5 --tokens 48 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specbuild.engines.embedded import Engine, SamplingParams
+from specbuild.engines.embedded.adaptive import ADAPTIVE_K, cost_models, crossover_concurrency
+from specbuild.engines.embedded.calibrate import forward_probe, time_interleaved
+from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
+from specbuild.sources import resolve
+
+MODEL = "demo:smollm2-135m-instruct"
+FIXED_K = (1, 2, 4, 6)
+MAX_DRAFT_LEN = 8
+CROSSOVER_K = 4
+CROSSOVER_BATCHES = (1, 2, 4, 8)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def mixed_prompts(tokenizer, prompt_tokens: int) -> list[list[int]]:
+    """chat, code, summarization, chat: token ids, each cut to its last `prompt_tokens` tokens."""
+    def chat(text):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    texts = [chat(chat_prompts()[0]), code_prompts()[0], summarize_prompts()[0], chat(chat_prompts()[1])]
+    return [tokenizer.encode(t, add_special_tokens=False)[-prompt_tokens:] for t in texts]
+
+
+def step_costs(engine: Engine, *, context: int, reps: int) -> dict:
+    """The `calibration` dict adaptive K reads (calibrate.Calibration.to_dict() keys), step times only."""
+    probes = {("verify", k): forward_probe(engine.target, new_tokens=k + 1, context=context)
+              for k in range(MAX_DRAFT_LEN + 1)}
+    probes[("draft", 1)] = forward_probe(engine.draft, new_tokens=1, context=context)
+    t = time_interleaved(probes, reps=reps)
+    t_target = t[("verify", 0)]
+    return {"proposer": "draft", "context_tokens": context, "t_target_s": t_target,
+            "t_verify_s": {str(k): t[("verify", k)] for k in range(1, MAX_DRAFT_LEN + 1)},
+            "t_draft_s": t[("draft", 1)], "cost_ratio": t[("draft", 1)] / t_target}
+
+
+def run_mix(engine: Engine, prompts: list[list[int]], *, batch: int, k: int, proposer: str, tokens: int) -> dict:
+    """One pass of the mix: `batch` requests at a time. -> tok/s over the pass and the merged stats."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    reqs = [(p, params, k) for p in prompts]
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(reqs), batch):
+        outs += engine.generate_batch(reqs[i:i + batch], proposer=proposer)
+    wall = time.perf_counter() - t0
+    gen = sum(len(o.token_ids) for o in outs)
+    drafted = sum(o.stats.num_draft_tokens for o in outs)
+    accepted = sum(o.stats.num_accepted_tokens for o in outs)
+    k_counts: dict[str, int] = {}
+    for o in outs:
+        for kk, n in o.stats.k_counts.items():
+            k_counts[str(kk)] = k_counts.get(str(kk), 0) + n
+    return {"tok_s": gen / wall, "acceptance_rate": accepted / drafted if drafted else None,
+            "drafted": drafted, "k_counts": k_counts}
+
+
+def settings() -> list[tuple[str, int, str]]:
+    out = [("off", 0, "draft")]
+    for prop in ("draft", "ngram"):
+        out += [(f"{prop}-k{k}", k, prop) for k in FIXED_K] + [(f"{prop}-adaptive", ADAPTIVE_K, prop)]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3, help="measurements per cell; medians (default 3)")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    ap.add_argument("--prompt-tokens", type=int, default=192, help="prompt tail kept (default 192)")
+    ap.add_argument("--quick", action="store_true", help="short version: 3 runs x 12 tokens, 128-token prompts")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    ap.add_argument("--out", default="bench/results/adaptive.json", help="JSON output (default %(default)s)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.runs, args.tokens, args.prompt_tokens = max(args.runs, 3), 12, 128
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()
+    model_dir = resolve(MODEL, progress=log).path
+    log("loading target + int8 self-draft")
+    engine = Engine.from_checkpoints(model_dir, model_dir, draft_quantize="int8", max_batch_size=8,
+                                     max_seq_len=1024, max_draft_len=MAX_DRAFT_LEN)
+    prompts = mixed_prompts(engine.tokenizer, args.prompt_tokens)
+    run_mix(engine, prompts[:1], batch=1, k=2, proposer="draft", tokens=4)            # warm-up
+    cells = {(f"batch{b}", name): (b, k, prop) for b in (1, 4) for name, k, prop in settings()}
+    cells.update({(f"crossover{b}", name): (b, k, "draft") for b in CROSSOVER_BATCHES
+                  for name, k in (("off", 0), (f"draft-k{CROSSOVER_K}", CROSSOVER_K)) if b not in (1, 4)})
+    raw: dict = {}
+    calibrations = []
+    for r in range(args.runs):
+        calibration = step_costs(engine, context=args.prompt_tokens, reps=5)
+        engine.update_calibration(calibration)
+        calibrations.append(calibration)
+        v4 = calibration["t_verify_s"]["4"] / calibration["t_target_s"] - 1
+        log(f"run {r + 1}/{args.runs}: t_target {calibration['t_target_s'] * 1e3:.1f} ms, "
+            f"c = {calibration['cost_ratio']:.2f}, v(4) = {v4:.2f}")
+        for (group, name), (b, k, prop) in cells.items():
+            ps = prompts if group.startswith("batch") else [prompts[i % len(prompts)] for i in range(b)]
+            res = run_mix(engine, ps, batch=b, k=k, proposer=prop, tokens=args.tokens)
+            raw.setdefault(group, {}).setdefault(name, []).append(res)
+            log(f"run {r + 1}/{args.runs} {group:11s} {name:15s} {res['tok_s']:6.2f} tok/s "
+                f"k_counts={res['k_counts']}")
+    result = summarize(raw, args, calibrations)
+    result.update(seconds=time.perf_counter() - t_start, load_avg_before=load_before, load_avg_after=os.getloadavg(),
+                  threads=torch.get_num_threads(), cpu_count=os.cpu_count())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    log(f"wrote {args.out} in {result['seconds']:.0f} s")
+    return 0
+
+
+def summarize(raw: dict, args, calibrations: list[dict]) -> dict:
+    med = {g: {n: statistics.median(x["tok_s"] for x in runs) for n, runs in cells.items()} for g, cells in raw.items()}
+    mix = {}
+    for b in (1, 4):
+        g = f"batch{b}"
+        rows = {n: {"tok_s_median": med[g][n], "tok_s": [x["tok_s"] for x in raw[g][n]],
+                    "speedup_vs_off": med[g][n] / med[g]["off"],
+                    "acceptance_rate": raw[g][n][-1]["acceptance_rate"], "k_counts": raw[g][n][-1]["k_counts"]}
+                for n in raw[g]}
+        verdict = {}
+        for prop in ("draft", "ngram"):
+            fixed = {f"{prop}-k{k}": med[g][f"{prop}-k{k}"] for k in FIXED_K}
+            best = max(fixed, key=fixed.get)
+            ad = med[g][f"{prop}-adaptive"]
+            verdict[prop] = {"best_fixed": best, "best_fixed_tok_s": fixed[best], "adaptive_tok_s": ad,
+                             "adaptive_vs_best_fixed": ad / fixed[best], "adaptive_ge_best_fixed": ad >= fixed[best],
+                             "best_incl_off": max({**fixed, "off": med[g]["off"]}.items(), key=lambda kv: kv[1])[0]}
+        mix[g] = {"settings": rows, "verdict": verdict}
+    speedup = {}
+    for b in CROSSOVER_BATCHES:
+        g = f"batch{b}" if b in (1, 4) else f"crossover{b}"
+        speedup[b] = med[g][f"draft-k{CROSSOVER_K}"] / med[g]["off"]
+    crossover = crossover_concurrency(speedup)
+    return {"model": MODEL, "draft": "SmolLM2-135M-Instruct int8 self-draft (weight-only int8 copy of the target)",
+            "runs": args.runs, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens, "quick": args.quick,
+            "prompts": ["chat", "code", "summarization", "chat"], "calibrations": calibrations,
+            "cost_models": [{p: vars(m) for p, m in cost_models(c).items()} for c in calibrations], "mix": mix,
+            "crossover": {"k": CROSSOVER_K, "draft_speedup_by_batch": {str(b): s for b, s in speedup.items()},
+                          "crossover_concurrency": crossover,
+                          "note": "lowest batch size with draft speedup < 1.0; set spec_max_concurrency to one below"
+                                  " (None when speculation paid at every measured batch size)"}}
+
+
+def print_table(res: dict) -> None:
+    names = list(res["mix"]["batch1"]["settings"])
+    print(f"\nmixed traffic, tok/s (median of {res['runs']} runs, {res['tokens']} tokens/request)")
+    print(f"{'setting':16s} {'batch 1':>9s} {'x off':>6s} {'batch 4':>9s} {'x off':>6s}")
+    for n in names:
+        a, b = res["mix"]["batch1"]["settings"][n], res["mix"]["batch4"]["settings"][n]
+        print(f"{n:16s} {a['tok_s_median']:9.2f} {a['speedup_vs_off']:6.2f} {b['tok_s_median']:9.2f} "
+              f"{b['speedup_vs_off']:6.2f}")
+    for g in ("batch1", "batch4"):
+        for prop, v in res["mix"][g]["verdict"].items():
+            print(f"{g} {prop}: adaptive {v['adaptive_tok_s']:.2f} vs best fixed {v['best_fixed']} "
+                  f"{v['best_fixed_tok_s']:.2f} -> {v['adaptive_vs_best_fixed']:.2f}x "
+                  f"({'>=' if v['adaptive_ge_best_fixed'] else '<'} best fixed)")
+    c = res["crossover"]
+    print("draft speedup (K=%d) by batch: %s; crossover concurrency: %s" % (
+        c["k"], ", ".join(f"{b}: {s:.2f}" for b, s in c["draft_speedup_by_batch"].items()), c["crossover_concurrency"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

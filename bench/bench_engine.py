@@ -1,0 +1,251 @@
+"""`make bench`: the embedded engine against Hugging Face on SmolLM2-135M-Instruct, side by side, in one run.
+
+Measured in one process, in this order (medians over --runs runs x 3 prompts: chat / code / summarization):
+  memory bandwidth      sum over a 1 GiB fp32 tensor (read-only, like a decode step) -> roofline tok/s
+  hf_generate           transformers `generate`, greedy, fp32
+  hf_assisted           the same with `assistant_model` = the int8 self-draft (same Int8Linear modules)
+  engine off / draft / ngram   the embedded engine built by `specbuild build --draft-quantize int8`
+  throughput            1, 2, 4, 8 concurrent sequences, speculation off / draft / n-gram
+Writes --out (JSON) and prints a table. The box is shared: the load average before and after is recorded;
+read every figure as "on this machine, at this load".
+
+    .venv/bin/python bench/bench_engine.py --out bench/results/engine.json --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specbuild.build import build
+from specbuild.convert import convert
+from specbuild.engines.embedded import Engine, SamplingParams
+from specbuild.engines.embedded.calibrate import (estimate_alpha, forward_probe, predicted_speedup,
+                                                  time_interleaved)
+from specbuild.engines.embedded.quant import quantize_model_
+from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
+from specbuild.sources import cache_dir, resolve
+
+MODEL = "demo:smollm2-135m-instruct"
+KINDS = ("chat", "code", "summ")
+PROMPT_TOKENS = 256        # prompts keep their last 256 tokens: prefill stays a small part of each request
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def bandwidth_gbs(runs: int) -> dict:
+    """Read bandwidth (sum of 1 GiB fp32) and copy bandwidth (1 GiB read + 1 GiB write), medians, GB/s."""
+    x = torch.ones(256 * 1024 * 1024)
+    y = torch.empty_like(x)
+    t_sum = time_interleaved({"sum": lambda: x.sum(), "copy": lambda: y.copy_(x)}, reps=max(runs, 3), warmup=1)
+    nbytes = x.numel() * 4
+    del x, y
+    return {"read_gbs": nbytes / t_sum["sum"] / 1e9, "copy_gbs": 2 * nbytes / t_sum["copy"] / 1e9}
+
+
+def prompts(tokenizer) -> dict[str, list[int]]:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": chat_prompts()[0]}], tokenize=False,
+                                         add_generation_prompt=True)
+    texts = {"chat": chat, "code": code_prompts()[0], "summ": summarize_prompts()[0]}
+    return {k: tokenizer.encode(t, add_special_tokens=False)[-PROMPT_TOKENS:] for k, t in texts.items()}
+
+
+def engine_dir(workdir: Path) -> Path:
+    """The documented recipe of the demo draft: convert (draft == target), build --draft-quantize int8."""
+    src = resolve(MODEL, progress=log)
+    convert(src.path, src.path, workdir=workdir, progress=log)
+    result = build(workdir=workdir, draft_quantize="int8", max_batch_size=8, max_seq_len=1024, progress=log)
+    return result.out_dir
+
+
+def hf_models(model_dir: Path, k: int):
+    """HF target and the int8 self-draft as an HF model (the same Int8Linear modules the engine's draft uses)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    draft = quantize_model_(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    return target, draft
+
+
+def latency_runs(engine: Engine, hf_target, hf_draft, ids: dict, *, tokens: int, runs: int, k: int,
+                 k_ngram: int) -> dict:
+    """Batch-1 tok/s of every method on every prompt. Interleaved: each run does every (prompt, method) once,
+    so a burst of load from other processes on the shared box hits all methods alike."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    engine_modes = {"off": (0, None), "draft": (k, "draft"), "ngram": (k_ngram, "ngram")}
+    hf_kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    out: dict = {m: {kind: {"tok_s": [], "decode_tok_s": [], "acc": [], "dr": []} for kind in ids}
+                 for m in ("hf_generate", "hf_assisted", *engine_modes)}
+    for run in range(runs):
+        for kind, prompt in ids.items():
+            x = torch.tensor([prompt])
+            for name, extra in (("hf_generate", {}), ("hf_assisted", {"assistant_model": hf_draft})):
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    hf_target.generate(x, attention_mask=torch.ones_like(x), **hf_kw, **extra)
+                    out[name][kind]["tok_s"].append(tokens / (time.perf_counter() - t0))
+            for mode, (kk, proposer) in engine_modes.items():
+                t0 = time.perf_counter()
+                res = engine.generate(prompt, params, num_draft_tokens=kk, proposer=proposer)
+                cell, st = out[mode][kind], res.stats
+                cell["tok_s"].append(len(res.token_ids) / (time.perf_counter() - t0))
+                span = st.last_token_time - st.first_token_time            # decode only: after the first token
+                cell["decode_tok_s"].append((st.generated_tokens - 1) / span if span > 0 else None)
+                cell["acc"].append(st.accepted_per_pos)
+                cell["dr"].append(st.drafted_per_pos)
+            log(f"run {run + 1}/{runs} {kind}: " + ", ".join(f"{m} {out[m][kind]['tok_s'][-1]:.2f}" for m in out)
+                + " tok/s")
+    for mode in engine_modes:
+        for cell in out[mode].values():
+            acc, dr = cell.pop("acc"), cell.pop("dr")
+            a = [sum(c) for c in zip(*acc)] if acc and acc[0] else []
+            d = [sum(c) for c in zip(*dr)] if dr and dr[0] else []
+            cell["alpha"] = estimate_alpha(a, d) if d else None
+            cell["acceptance_rate"] = sum(a) / sum(d) if d and sum(d) else None
+    return out
+
+
+def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_ngram: int) -> dict:
+    """Total tok/s with n concurrent sequences (continuous batching), interleaved over modes and n per run."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    pool = list(ids.values())
+    modes = {"off": (0, None), "draft": (k, "draft"), "ngram": (k_ngram, "ngram")}
+    samples: dict = {m: {n: [] for n in (1, 2, 4, 8)} for m in modes}
+    for run in range(runs):
+        for n in (1, 2, 4, 8):
+            for mode, (kk, proposer) in modes.items():
+                reqs = [(pool[i % len(pool)], params, kk) for i in range(n)]
+                t0 = time.perf_counter()
+                res = engine.generate_batch(reqs, proposer=proposer)
+                samples[mode][n].append(sum(len(r.token_ids) for r in res) / (time.perf_counter() - t0))
+            log(f"run {run + 1}/{runs} x{n}: " + ", ".join(f"{m} {samples[m][n][-1]:.2f}" for m in modes) + " tok/s")
+    return {m: {n: median(v) for n, v in row.items()} for m, row in samples.items()}
+
+
+def step_costs(engine: Engine, k: int, runs: int) -> dict:
+    probes = {"target": forward_probe(engine.target, new_tokens=1, context=128),
+              "verify": forward_probe(engine.target, new_tokens=k + 1, context=128),
+              "draft": forward_probe(engine.draft, new_tokens=1, context=128)}
+    return time_interleaved(probes, reps=max(5, runs))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/engine.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--runs", type=int, default=None, help="runs per prompt and mode (default: 3; --quick: 2)")
+    ap.add_argument("--tokens", type=int, default=None, help="new tokens per request (default: 128; --quick: 48)")
+    ap.add_argument("--quick", action="store_true", help="fewer runs and tokens (a few minutes)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    ap.add_argument("--workdir", default=None, help="build workspace (default: $SPECBUILD_CACHE/bench-work)")
+    ap.add_argument("--k-ngram", type=int, default=4, help="K for the n-gram proposer (default: %(default)s)")
+    args = ap.parse_args(argv)
+    runs = args.runs or (2 if args.quick else 3)
+    tokens = args.tokens or (48 if args.quick else 128)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    t_start = time.time()
+    log("building the engine (no-op when up to date)")
+    edir = engine_dir(Path(args.workdir) if args.workdir else cache_dir() / "bench-work")
+    cfg = json.loads((edir / "engine_config.json").read_text())
+    cal = cfg.get("calibration") or {}
+    k = cfg["default_num_draft_tokens"] or 4
+    engine = Engine.from_build_dir(edir, threads=args.threads)
+    ids = prompts(engine.tokenizer)
+    log("memory bandwidth")
+    bw = bandwidth_gbs(runs)
+    weight_bytes = engine.target.num_bytes()
+    hf_target, hf_draft = hf_models(Path(resolve(MODEL).path), k)
+    lat = latency_runs(engine, hf_target, hf_draft, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
+    costs = step_costs(engine, k, runs)
+    thr = throughput(engine, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
+
+    def med(method: str, key: str = "tok_s", kinds=KINDS):
+        return median([x for kind in kinds for x in lat[method][kind][key]])
+    def ratio(a: str, b: str, kinds=KINDS):
+        """Median of per-(run, prompt) ratios: each pair was measured back to back, under the same load."""
+        return median([x / y for kind in kinds for x, y in zip(lat[a][kind]["tok_s"], lat[b][kind]["tok_s"])])
+    off, dft, off_decode = med("off"), med("draft"), med("off", "decode_tok_s")
+    hf_gen, hf_ass = med("hf_generate"), med("hf_assisted")
+    roofline = bw["read_gbs"] * 1e9 / weight_bytes
+    alpha = median([lat["draft"][kind]["alpha"] for kind in KINDS])
+    predicted = predicted_speedup(alpha, k, t_target=costs["target"], t_draft=costs["draft"],
+                                  t_verify=costs["verify"])
+    draft_speedup = ratio("draft", "off")
+    ngram_summ = ratio("ngram", "off", kinds=("summ",))
+    result = {
+        "model": MODEL, "draft": "SmolLM2-135M-Instruct int8 self-draft (weight-only int8 copy of the target)",
+        "runs": runs, "tokens": tokens, "prompts": list(KINDS), "k": k, "k_ngram": args.k_ngram,
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.processor(),
+        "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "seconds": time.time() - t_start,
+        "memory_read_gbs": bw["read_gbs"], "memory_copy_gbs": bw["copy_gbs"], "target_weight_bytes": weight_bytes,
+        "hf_generate_tok_s": hf_gen, "hf_assisted_tok_s": hf_ass,
+        "engine_tok_s": off, "engine_draft_tok_s": dft, "engine_ngram_tok_s": med("ngram"),
+        "roofline_tok_s": roofline, "engine_vs_hf": ratio("off", "hf_generate"),
+        "engine_decode_tok_s": off_decode, "roofline_fraction": off_decode / roofline,
+        "draft_acceptance_rate": median([lat["draft"][kind]["acceptance_rate"] for kind in KINDS]),
+        "draft_alpha": alpha, "draft_cost_ratio": costs["draft"] / costs["target"],
+        "t_target_s": costs["target"], "t_draft_s": costs["draft"], "t_verify_s": costs["verify"],
+        "predicted_draft_speedup": predicted, "draft_speedup": draft_speedup,
+        "spec_efficiency": draft_speedup / predicted, "ngram_summ_speedup": ngram_summ,
+        "hf_assisted_speedup": ratio("hf_assisted", "hf_generate"),
+        "throughput_tok_s": thr, "throughput_ratio_8_vs_1": thr["off"][8] / thr["off"][1],
+        "demo_draft_speedup_batch1": thr["draft"][1] / thr["off"][1],
+        "demo_draft_speedup_batch8": thr["draft"][8] / thr["off"][8],
+        "build_calibration": cal, "per_prompt": lat,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    return 0
+
+
+def print_table(r: dict) -> None:
+    rows = [("memory read bandwidth", f"{r['memory_read_gbs']:.1f} GB/s"),
+            ("roofline (fp32 weights / bandwidth)", f"{r['roofline_tok_s']:.1f} tok/s"),
+            ("HF generate (greedy)", f"{r['hf_generate_tok_s']:.2f} tok/s"),
+            ("HF assisted (int8 self-draft)", f"{r['hf_assisted_tok_s']:.2f} tok/s ({r['hf_assisted_speedup']:.2f}x)"),
+            ("engine, speculation off", f"{r['engine_tok_s']:.2f} tok/s ({r['engine_vs_hf']:.2f}x HF, "
+                                        f"decode {r['engine_decode_tok_s']:.1f} tok/s = "
+                                        f"{r['roofline_fraction']:.0%} of roofline)"),
+            (f"engine, int8 self-draft K={r['k']}", f"{r['engine_draft_tok_s']:.2f} tok/s "
+                                                    f"({r['draft_speedup']:.2f}x, "
+                                                    f"predicted {r['predicted_draft_speedup']:.2f}x)"),
+            ("  acceptance / alpha / c", f"{r['draft_acceptance_rate']:.2f} / {r['draft_alpha']:.2f} / "
+                                         f"{r['draft_cost_ratio']:.2f}"),
+            ("  spec efficiency", f"{r['spec_efficiency']:.2f}"),
+            ("engine, n-gram (summarization)", f"{r['ngram_summ_speedup']:.2f}x"),
+            ("throughput 8 vs 1 (spec off)", f"{r['throughput_ratio_8_vs_1']:.2f}x"),
+            ("demo draft speedup batch 1 / 8", f"{r['demo_draft_speedup_batch1']:.2f}x / "
+                                               f"{r['demo_draft_speedup_batch8']:.2f}x")]
+    w = max(len(a) for a, _ in rows)
+    print(f"SmolLM2-135M-Instruct, {r['runs']} runs x 3 prompts, {r['tokens']} tokens, {r['threads']} threads, "
+          f"load {r['load_avg_before'][0]:.1f} -> {r['load_avg_after'][0]:.1f}")
+    for a, b in rows:
+        print(f"  {a:<{w}}  {b}")
+    thr = r["throughput_tok_s"]
+    print("  throughput tok/s   " + "  ".join(f"x{n}" .rjust(8) for n in (1, 2, 4, 8)))
+    for mode, row in thr.items():
+        print(f"    {mode:<16}" + "  ".join(f"{row[n]:8.2f}" for n in (1, 2, 4, 8)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

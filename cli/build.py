@@ -1,0 +1,85 @@
+"""`specbuild build`: a thin wrapper over `specbuild.build.build`."""
+
+from __future__ import annotations
+
+import click
+
+from specbuild.build import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS, build
+from specbuild.cli.options import backend_option, dry_run_option, force_option, workdir_option
+
+
+def _stderr(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+@click.command("build")
+@workdir_option
+@backend_option
+@click.option("--max-batch-size", type=int, default=8, show_default=True,
+              help="Most sequences decoded at once (KV-cache slots).")
+@click.option("--max-seq-len", type=int, default=1024, show_default=True,
+              help="Most tokens per sequence, prompt + output.")
+@click.option("--max-draft-len", type=int, default=8, show_default=True,
+              help="Largest K (draft tokens per step) a request may ask for.")
+@click.option("--num-draft-tokens", type=int, default=None,
+              help="Default K for requests that do not set one (0 = speculation off). Default: the calibrated K.")
+@click.option("--proposer", type=click.Choice(PROPOSERS), default="draft", show_default=True,
+              help="Default proposer: the draft model, or n-gram prompt lookup (no model).")
+@click.option("--draft-quantize", type=click.Choice(DRAFT_QUANTIZATIONS), default=None,
+              help="Store the draft as int8 weight-only (runs on int8 kernels). Default: none (draft dtype = --dtype).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+              help="Runtime dtype of the weights (float32 is right on CPU).")
+@click.option("--device", default="cpu", show_default=True, help="Device the engine runs on: cpu, cuda or cuda:N.")
+@click.option("--threads", type=int, default=None, help="CPU threads for torch. Default: torch's default.")
+@click.option("--calibrate/--no-calibrate", default=True, show_default=True,
+              help="Measure step times and acceptance and pick the default K (embedded).")
+@click.option("--trtllm-version", default=None, metavar="VERSION",
+              help="TensorRT-LLM version to target (trtllm only). Default: the installed one.")
+@click.option("--max-input-len", type=int, default=None, help="Longest prompt (trtllm only). Default: 2048.")
+@click.option("--max-num-tokens", type=int, default=None,
+              help="Tokens per engine step across the batch (trtllm only). Default: 8192.")
+@click.option("--use-draft-logits", is_flag=True, default=False,
+              help="Build the draft with --gather_generation_logits for sampling-based acceptance (trtllm only).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel size (trtllm only).")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Pipeline-parallel size (trtllm only).")
+@click.option("--container-tag", default=None, help="TensorRT-LLM Triton container tag (trtllm only).")
+@dry_run_option
+@force_option
+def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, num_draft_tokens, proposer,
+                  draft_quantize, dtype, device, threads, calibrate, trtllm_version, max_input_len, max_num_tokens,
+                  use_draft_logits, tp, pp, container_tag, dry_run, force):
+    """Build WORKDIR/engines/ from the converted checkpoints in WORKDIR/checkpoints/.
+
+    The embedded backend writes the engine directory, runs a smoke generation
+    (speculative output must equal target-only output) and calibrates: step times,
+    acceptance on built-in prompts, and the K with the best predicted speedup, which
+    becomes the default K. Re-running with unchanged inputs is a no-op.
+
+    \b
+    Example:
+      specbuild convert --target demo:smollm2-135m-instruct --draft demo:smollm2-135m-instruct
+      specbuild build --draft-quantize int8          # the demo int8 self-draft
+      specbuild build --proposer ngram --max-batch-size 4 --force
+      specbuild build --backend trtllm --max-draft-len 4 --dry-run
+    """
+    result = build(workdir=workdir, backend=backend, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                   max_draft_len=max_draft_len, dtype=dtype, device=device, threads=threads,
+                   draft_quantize=draft_quantize, calibrate=calibrate, proposer=proposer,
+                   num_draft_tokens=num_draft_tokens, force=force, dry_run=dry_run, trtllm_version=trtllm_version,
+                   max_input_len=max_input_len, max_num_tokens=max_num_tokens, use_draft_logits=use_draft_logits,
+                   tp=tp, pp=pp, container_tag=container_tag, progress=_stderr)
+    if result.plan is not None:
+        click.echo("\n".join(step.render() for step in result.plan))
+        return
+    state = "up to date (nothing to do)" if result.skipped else "built"
+    click.echo(f"{state} in {result.seconds:.1f}s: {result.out_dir}")
+    cal = result.calibration
+    if cal:
+        k = cal["recommended_k"]
+        click.echo(f"  calibration ({cal['proposer']}): alpha={cal['alpha']:.2f} c={cal['cost_ratio']:.2f} "
+                   f"t_target={cal['t_target_s'] * 1e3:.1f}ms t_draft={cal['t_draft_s'] * 1e3:.1f}ms "
+                   f"-> K={k} (predicted {cal['predicted_speedup'][str(k)]:.2f}x)")
+        for note in cal.get("notes", []):
+            _stderr(f"note: {note}")

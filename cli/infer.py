@@ -1,0 +1,83 @@
+"""`specbuild infer`: one prompt against a running deployment (thin wrapper over `specbuild.client`)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from specbuild import contract
+from specbuild.cli.options import workdir_option
+from specbuild.client import DEFAULT_GRPC, DEFAULT_HTTP, Client
+
+
+@click.command("infer")
+@click.option("--prompt", required=True, help="The prompt text.")
+@click.option("--stream/--no-stream", default=True, show_default=True,
+              help="Print pieces as they arrive (generate_stream / gRPC stream) or wait for one response.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens to generate at most.")
+@click.option("--min-tokens", type=click.IntRange(min=0), default=None,
+              help="Generate at least this many tokens (EOS is ignored until then). Default: 0.")
+@click.option("--num-draft-tokens", type=click.IntRange(min=0), default=None,
+              help="Draft tokens per step (0 = speculation off). Default: the engine's K. "
+                   "Implies --model tensorrt_llm_bls.")
+@click.option("--proposer", type=click.Choice(["draft", "ngram"]), default=None,
+              help="Embedded deployments only: the draft model or n-gram prompt lookup (default: the engine's).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=None, help="Top-k (0/unset = off).")
+@click.option("--top-p", type=click.FloatRange(0, 1), default=None, help="Top-p (unset = off).")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (reproducible).")
+@click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True,
+              help="HTTP (/generate, /generate_stream SSE) or gRPC streaming.")
+@click.option("--model", type=click.Choice(list(contract.CLIENT_MODELS)), default=None,
+              help="Client-facing model. Default: ensemble, or tensorrt_llm_bls with --num-draft-tokens.")
+@click.option("--url", default=None,
+              help=f"HTTP endpoint. Default: the server `specbuild serve` started in --workdir, else {DEFAULT_HTTP}.")
+@click.option("--grpc-url", default=None,
+              help=f"gRPC endpoint. Default: the server `specbuild serve` started in --workdir, else {DEFAULT_GRPC}.")
+@workdir_option
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the answer.")
+def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, temperature, top_k, top_p, seed, protocol,
+                  model, url, grpc_url, workdir, timeout):
+    """Send one prompt, print the tokens as they arrive, then the acceptance stats.
+
+    \b
+    Example:
+      specbuild infer --prompt "The capital of France is" --max-tokens 32
+      specbuild infer --prompt "def fib(n):" --num-draft-tokens 4 --protocol grpc
+      specbuild infer --prompt "Hello" --no-stream --num-draft-tokens 0
+    """
+    model = model or (contract.SPECULATIVE_MODEL if num_draft_tokens is not None else contract.ENSEMBLE_MODEL)
+    if num_draft_tokens is not None and model != contract.SPECULATIVE_MODEL:
+        raise click.UsageError(f"--num-draft-tokens needs --model {contract.SPECULATIVE_MODEL} "
+                               f"({model} uses the engine's default K).")
+    from specbuild.serve import read_state
+
+    info = read_state(workdir) if not (url and grpc_url) else None
+    url = url or (info.http_url if info else DEFAULT_HTTP)
+    grpc_url = grpc_url or (info.grpc_url if info else DEFAULT_GRPC)
+    client = Client(url=url, grpc_url=grpc_url, model=model, timeout=timeout)
+    params = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  num_draft_tokens=num_draft_tokens, return_perf_metrics=True, proposer=proposer)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    if protocol == "grpc":
+        gen = client.grpc_stream(prompt, on_chunk=show if stream else None, stream=stream, **params)
+    elif stream:
+        gen = client.generate_stream(prompt, on_chunk=show, **params)
+    else:
+        gen = client.generate(prompt, **params)
+    if not stream:
+        show(gen.text)
+    click.echo("")
+    drafted, accepted = gen.total_draft_tokens, gen.total_accepted_draft_tokens
+    rate = f"{gen.acceptance_rate:.1%}" if gen.acceptance_rate is not None and drafted else "n/a (no drafts)"
+    ttft = f"{gen.ttft * 1000:.0f} ms" if gen.ttft is not None else "n/a"
+    click.echo(f"-- {model} via {protocol}: {len(gen.chunks)} pieces in {gen.seconds:.2f}s, TTFT {ttft}; "
+               f"drafted {drafted if drafted is not None else 'n/a'}, accepted "
+               f"{accepted if accepted is not None else 'n/a'}, acceptance rate {rate}", err=True)

@@ -1,0 +1,83 @@
+"""`specbuild loadtest`: Locust chat/batch profiles against a running deployment, speculation on vs off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specbuild.cli.options import workdir_option
+
+
+@click.command("loadtest")
+@click.option("--profile", "profiles", multiple=True, default=("chat",), show_default=True,
+              help="Traffic profile: a built-in name (chat, batch) or a .toml file; repeat for several.")
+@click.option("--compare", default=None, metavar="NAME=V1,V2",
+              help="One run per value of a request field, the first is the baseline, e.g. "
+                   "num_draft_tokens=0,4 (0 = speculation off). Default: one run as deployed.")
+@click.option("--setting", "settings", multiple=True, metavar="NAME:FIELD=V[,FIELD=V]",
+              help="A named set of request fields; repeat for each run, the first is the baseline, e.g. "
+                   "--setting off:num_draft_tokens=0 --setting ngram:num_draft_tokens=4,proposer=ngram. "
+                   "Exclusive with --compare.")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Triton HTTP endpoint.")
+@click.option("--grpc-url", default=None, help="Triton gRPC host:port (default: the --url host, port 8001).")
+@click.option("--metrics-url", default=None,
+              help="Triton metrics endpoint (default: the --url host, port 8002, /metrics); '' to skip.")
+@click.option("--model", default=None,
+              help="Client-facing model (default: tensorrt_llm_bls when comparing num_draft_tokens, else ensemble).")
+@click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True,
+              help="http: /generate_stream (SSE) and /generate; grpc: tritonclient streaming.")
+@click.option("--tokenizer", type=click.Path(exists=True), default=None,
+              help="Target tokenizer dir (tokenizer.json) for counting output tokens "
+                   "(default: the deployment's, found through --workdir).")
+@workdir_option
+@click.option("--out", type=click.Path(file_okay=False), default="report", show_default=True,
+              help="Report directory (report.json, report.md, PNG plots, runs/ with Locust CSVs).")
+@click.option("--users", type=int, default=None, help="Override every profile's concurrent users.")
+@click.option("--duration", type=float, default=None, help="Override every profile's seconds of load per run.")
+@click.option("--max-tokens", type=int, default=None, help="Override every profile's output tokens per request.")
+@click.option("--max-input-tokens", type=int, default=None,
+              help="Override every profile's prompt length cap (tokens); prompts are also cut to fit the "
+                   "engine's max_seq_len when --workdir holds the deployment.")
+@click.option("--max-p95-ttft-ms", type=float, default=None, help="SLO gate: fail if p95 TTFT exceeds this (ms).")
+@click.option("--max-p95-tpot-ms", type=float, default=None, help="SLO gate: fail if p95 TPOT exceeds this (ms).")
+@click.option("--max-error-rate", type=float, default=None,
+              help="SLO gate: fail if the failed fraction of requests exceeds this (0.01 = 1%).")
+@click.option("--workers", type=int, default=0, show_default=True,
+              help="Locust distributed mode: one master plus this many worker processes (0 = one process).")
+@click.option("--cross-check", is_flag=True, default=False,
+              help="After each run, measure the same traffic with an independent asyncio+httpx client "
+                   "and report the TTFT / e2e median ratios.")
+@click.option("--stop-timeout", type=float, default=5.0, show_default=True,
+              help="Seconds in-flight requests may take to finish when a run's duration is over.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt draw.")
+def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, model, protocol, tokenizer, workdir, out,
+                     users, duration, max_tokens, max_input_tokens, max_p95_ttft_ms, max_p95_tpot_ms,
+                     max_error_rate, workers, cross_check, stop_timeout, seed):
+    """Load-test a running deployment with Locust and write one report.
+
+    Runs headless Locust once per profile x --compare value, scrapes Triton's metrics before and after,
+    and writes OUT/report.json, OUT/report.md and PNG plots (TTFT/ITL/e2e distributions, throughput,
+    and the "batch vs interactive" gain table). Exit code 3 when an SLO gate fails, 130 on Ctrl-C
+    (the report of what was measured is still written).
+
+    \b
+    Example:
+      specbuild serve --workdir work --background
+      specbuild loadtest --workdir work --profile chat --profile batch \\
+          --compare num_draft_tokens=0,4 --duration 60 --out report/
+      specbuild loadtest --workdir work --profile chat --setting off:num_draft_tokens=0 \\
+          --setting draft:num_draft_tokens=4,proposer=draft --setting ngram:num_draft_tokens=4,proposer=ngram
+      specbuild loadtest --tokenizer ./target --profile chat --users 1 --duration 10 \\
+          --max-p95-ttft-ms 500 --max-error-rate 0.01
+    """
+    from specbuild.loadtest import LoadtestConfig, loadtest
+
+    cfg = LoadtestConfig(profiles=tuple(profiles), compare=compare, settings=tuple(settings), url=url.rstrip("/"), grpc_url=grpc_url,
+                         metrics_url=metrics_url, model=model, protocol=protocol, tokenizer=tokenizer,
+                         workdir=Path(workdir), out=Path(out), users=users, duration=duration,
+                         max_tokens=max_tokens, max_input_tokens=max_input_tokens,
+                         max_p95_ttft_ms=max_p95_ttft_ms, max_p95_tpot_ms=max_p95_tpot_ms,
+                         max_error_rate=max_error_rate, workers=workers, cross_check=cross_check,
+                         stop_timeout=stop_timeout, seed=seed, progress_bar=True)
+    loadtest(cfg, progress=lambda msg: click.echo(msg, err=True))

@@ -1,0 +1,109 @@
+"""`specbuild verify`: prove a running deployment is lossless (thin wrapper over `specbuild.verify`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specbuild import contract
+from specbuild.cli.options import workdir_option
+from specbuild.errors import UsageError
+
+
+def _endpoint(workdir: Path, url: str | None) -> str:
+    if url:
+        return url
+    from specbuild.serve import read_state
+
+    info = read_state(workdir)
+    if info is None:
+        raise UsageError(f"no server recorded in {workdir}/server/; start one with `specbuild serve --background "
+                         f"--workdir {workdir}` or pass --url of a running deployment.")
+    return info.http_url
+
+
+def _tokenizer(workdir: Path, tokenizer: str | None):
+    from transformers import AutoTokenizer
+
+    candidates = [Path(tokenizer)] if tokenizer else [workdir / "engines" / "tokenizer", workdir / "engines" / "target",
+                                                      workdir / "checkpoints" / "target"]
+    for path in candidates:
+        if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(path)
+    raise UsageError(f"no tokenizer found in {', '.join(map(str, candidates))}; pass --tokenizer DIR "
+                     "(the target's Hugging Face directory).")
+
+
+@click.command("verify")
+@workdir_option
+@click.option("--url", default=None, help="HTTP endpoint. Default: the server started by `specbuild serve` in --workdir.")
+@click.option("--model", default=contract.SPECULATIVE_MODEL, show_default=True,
+              help="Client-facing model that takes num_draft_tokens.")
+@click.option("--prompt", "prompts", multiple=True, help="A prompt to check (repeatable). Default: a built-in set.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="File of prompts: JSON list, JSONL with a 'prompt' field, or one per line.")
+@click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1), default=4, show_default=True,
+              help="K for the speculative side; compared against K = 0.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Tokens per greedy comparison.")
+@click.option("--seeds", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Samples per side for the distribution test (0 = greedy check only).")
+@click.option("--positions", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Output positions tested under sampling.")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Sampling temperature for the distribution test.")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-3, show_default=True,
+              help="Family-wise false-alarm rate of the distribution test (Bonferroni over positions).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests in flight.")
+@click.option("--tokenizer", default=None, help="Tokenizer dir for re-tokenizing outputs. Default: from --workdir.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the JSON report. Default: <workdir>/verify/report.json.")
+def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens, max_tokens, seeds, positions,
+                   temperature, alpha, concurrency, tokenizer, out):
+    """Check that speculation changes nothing: greedy outputs token-identical with K and without, and the
+    sampled distribution of the first positions unchanged. Exits 1 on any drift.
+
+    \b
+    Example:
+      specbuild verify                               # the server of ./specbuild-work
+      specbuild verify --url http://gpu-box:8000 --tokenizer ./llama-3.1-8b -k 4 --seeds 400
+      specbuild verify --prompt "def fib(n):" --seeds 0
+    """
+    from specbuild.client import Client
+    from specbuild.verify import DEFAULT_PROMPTS, load_prompts, verify
+
+    workdir = Path(workdir)
+    endpoint = _endpoint(workdir, url)
+    tok = _tokenizer(workdir, tokenizer)
+    chosen = list(prompts) + (load_prompts(Path(prompts_file)) if prompts_file else [])
+    client = Client(url=endpoint, model=model)
+
+    def generate(prompt, *, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed):
+        return client.generate(prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+                               temperature=temperature, top_k=top_k or None, top_p=top_p if top_p < 1 else None,
+                               seed=seed).text
+
+    def tokenize(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    report = verify(generate, tokenize, prompts=chosen or list(DEFAULT_PROMPTS), num_draft_tokens=num_draft_tokens,
+                    max_tokens=max_tokens, sampling_seeds=seeds, positions=positions, temperature=temperature,
+                    alpha=alpha, concurrency=concurrency, out=Path(out) if out else workdir / "verify" / "report.json")
+    for case in report.greedy:
+        mark = "identical" if case.identical else f"DIVERGES at token {case.first_divergence}"
+        click.echo(f"greedy  K={num_draft_tokens} vs 0  {mark:<24} {case.tokens_plain:>4} tok  {case.prompt[:50]!r}")
+        if not case.identical:
+            click.echo(f"        {case.context}")
+    if report.sampling:
+        s = report.sampling
+        worst = min(s.positions, key=lambda t: t.p_value)
+        verdict = "DRIFT" if s.drift else "no drift"
+        click.echo(f"sampling T={s.temperature} {s.seeds} seeds x 2, {len(s.positions)} positions: {verdict} "
+                   f"(min p = {worst.p_value:.3g} at position {worst.position}; threshold {s.threshold:.2g} = "
+                   f"alpha {s.alpha:g} / {len(s.positions)})")
+    if not report.ok:
+        raise click.ClickException("speculation changed the output; see the report above "
+                                   f"({out or workdir / 'verify' / 'report.json'}).")
+    click.echo("verify: OK — speculation is lossless on these prompts.")

@@ -1,0 +1,172 @@
+"""Adaptive K: each sequence's own acceptance decides how many tokens to draft at each step.
+
+Request side: `num_draft_tokens=-1` (`ADAPTIVE_K`) asks for adaptive mode, and so does the engine default
+when `engine_config.json` has `adaptive_k: true` and a request sends no K. K then varies per step in
+[0, max_draft_len]; K = 0 is a plain decode step (speculation off for sequences where it does not pay).
+
+Model (the one `calibrate.py` records; Leviathan et al. 2023 with a measured verify cost). With per-token
+acceptance a and K drafted tokens one round emits E = (1 - a^(K+1)) / (1 - a) tokens and costs, relative
+to a plain target step,
+
+    cost(K) = 1 + c*K + v(K)        c = t_draft / t_target, v(K) = t_verify[K] / t_target - 1, v(0) = 0
+
+so `choose_k` picks argmax_K E(a, K) / cost(K) over K = 0..max_k (K = 0 scores exactly 1.0).
+
+Per sequence, `AcceptanceTracker` keeps an EWMA of a, starting from the engine's running estimate for the
+proposer (the calibrated alpha at first, then moved toward each finished adaptive sequence's estimate). A
+round that accepted n of k drafts is n successes then (if n < k) one failure; drafts after the first
+rejection were never tested and do not count (the estimator of `calibrate.estimate_alpha`). A sequence at K = 0 learns nothing, so every `probe_every`-th
+consecutive K = 0 step drafts one token as a probe; a recovered acceptance turns speculation back on.
+
+Worked example (c = 0.3, v(K) = 0.1 + 0.05 K): a = 0.9 -> K = 5 (predicted 1.64x); a = 0.5 -> K = 1 (1.03x);
+a = 0.3 -> K = 0 (no K beats plain decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ADAPTIVE_K = -1                       # num_draft_tokens value meaning "adaptive"
+DEFAULT_DRAFT_COST_RATIO = 0.3        # c when no calibration of the draft exists
+DEFAULT_VERIFY = (0.1, 0.05)          # v(K) = a + b*K when no calibration exists (intercept, slope)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens emitted per round] = 1 + a + ... + a^K."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Round cost relative to one plain target step: cost(K) = 1 + c*K + v(K), with v(K) = a + b*K for K >= 1."""
+    cost_ratio: float = DEFAULT_DRAFT_COST_RATIO      # c (0 for n-gram: no model runs)
+    verify_intercept: float = DEFAULT_VERIFY[0]        # a
+    verify_slope: float = DEFAULT_VERIFY[1]            # b
+    source: str = "defaults"                           # "calibration" | "defaults"
+
+    def __post_init__(self):
+        if min(self.cost_ratio, self.verify_intercept, self.verify_slope) < 0:
+            raise ValueError(f"cost model terms must be >= 0, got {self}")
+
+    def verify_overhead(self, k: int) -> float:
+        return 0.0 if k <= 0 else self.verify_intercept + self.verify_slope * k
+
+    def cost(self, k: int) -> float:
+        return 1.0 + self.cost_ratio * k + self.verify_overhead(k)
+
+
+def predicted_speedup(alpha: float, k: int, cost: CostModel) -> float:
+    """((1 - a^(K+1)) / (1 - a)) / (1 + c*K + v(K)); exactly 1.0 at K = 0."""
+    return expected_tokens(alpha, k) / cost.cost(k)
+
+
+def choose_k(alpha: float, cost: CostModel, max_k: int) -> int:
+    """The K in [0, max_k] with the highest predicted speedup (the smaller K on ties)."""
+    best_k, best = 0, 1.0
+    for k in range(1, max(max_k, 0) + 1):
+        s = predicted_speedup(alpha, k, cost)
+        if s > best + 1e-12:
+            best_k, best = k, s
+    return best_k
+
+
+def fit_verify_curve(t_target: float, t_verify: dict[int, float]) -> tuple[float, float]:
+    """Least-squares line v(K) = a + b*K through the measured t_verify[K] / t_target - 1 (K >= 1), with
+    a, b >= 0: single timings on a shared machine are noisy, the line is not, and a verify over more
+    positions is never cheaper."""
+    pts = [(k, t / t_target - 1.0) for k, t in sorted(t_verify.items()) if k >= 1 and t > 0]
+    if not pts:
+        return DEFAULT_VERIFY
+    if len(pts) == 1:
+        return max(pts[0][1], 0.0), 0.0
+    n = len(pts)
+    mk = sum(k for k, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    var = sum((k - mk) ** 2 for k, _ in pts)
+    b = max(sum((k - mk) * (v - mv) for k, v in pts) / var, 0.0)
+    a = mv - b * mk
+    if a < 0:                          # keep the line through the data's mean with a >= 0
+        a, b = 0.0, max(mv / mk, 0.0)
+    return a, b
+
+
+def cost_models(calibration: dict | None) -> dict[str, CostModel]:
+    """Cost models per proposer from the calibration `build` stores in engine_config.json (`calibrate.py`
+    `Calibration.to_dict()`: t_target_s, t_verify_s {"K": s}, t_draft_s, proposer); defaults when absent."""
+    draft, ngram = CostModel(), CostModel(cost_ratio=0.0)
+    cal = calibration or {}
+    t_target = float(cal.get("t_target_s") or 0.0)
+    if t_target > 0 and cal.get("t_verify_s"):
+        a, b = fit_verify_curve(t_target, {int(k): float(v) for k, v in cal["t_verify_s"].items()})
+        ngram = CostModel(0.0, a, b, "calibration")
+        c = float(cal.get("t_draft_s") or 0.0) / t_target if cal.get("proposer") == "draft" else None
+        draft = CostModel(c if c is not None else DEFAULT_DRAFT_COST_RATIO, a, b, "calibration")
+    return {"draft": draft, "ngram": ngram}
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    weight: float = 0.25             # EWMA weight of one acceptance trial
+    prior_alpha: float = 0.8         # optimistic start: a failing draft is off in 2-3 steps, while a
+                                     # pessimistic one would sit at K = 0 and learn only from probes
+    probe_every: int = 8             # after this many K = 0 steps in a row, draft 1 token to re-measure
+
+    def __post_init__(self):
+        if not 0 < self.weight <= 1 or not 0 <= self.prior_alpha <= 1 or self.probe_every < 1:
+            raise ValueError(f"invalid adaptive policy {self}")
+
+
+def prior_alphas(calibration: dict | None, policy: AdaptivePolicy = AdaptivePolicy()) -> dict[str, float]:
+    """Starting alpha_hat per proposer: the calibrated alpha for the calibrated proposer, else the policy's."""
+    out = {"draft": policy.prior_alpha, "ngram": policy.prior_alpha}
+    cal = calibration or {}
+    if cal.get("proposer") in out and cal.get("alpha") is not None:
+        out[cal["proposer"]] = min(max(float(cal["alpha"]), 0.0), 1.0)
+    return out
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-sequence adaptive-K state: alpha_hat (EWMA) and the run of K = 0 steps (for probing)."""
+    alpha: float
+    policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
+    zero_steps: int = 0
+    trials: int = 0                                      # acceptance trials observed
+    history: list[int] = field(default_factory=list)     # K chosen at each step (for tests and stats)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """A round that drafted `num_draft` tokens and accepted `num_accepted` of them."""
+        if num_draft <= 0:
+            return
+        w = self.policy.weight
+        self.trials += num_accepted + (num_accepted < num_draft)
+        for _ in range(num_accepted):
+            self.alpha += w * (1.0 - self.alpha)
+        if num_accepted < num_draft:
+            self.alpha -= w * self.alpha
+
+    def fold_into(self, prior: float, weight: float = 0.3) -> float:
+        """The engine-wide prior after this (finished) sequence: moved toward its alpha if it observed any."""
+        return prior + weight * (self.alpha - prior) if self.trials else prior
+
+    def next_k(self, cost: CostModel, max_k: int) -> int:
+        k = choose_k(self.alpha, cost, max_k)
+        if k == 0 and max_k > 0:
+            self.zero_steps += 1
+            if self.zero_steps >= self.policy.probe_every:
+                self.zero_steps, k = 0, 1
+        else:
+            self.zero_steps = 0
+        self.history.append(k)
+        return k
+
+
+def crossover_concurrency(speedup_by_batch: dict[int, float]) -> int | None:
+    """The lowest measured batch size where speculation's speedup is below 1.0 (None: it paid everywhere).
+    `spec_max_concurrency` = crossover - 1 keeps drafting only where it was measured to pay.
+
+    Example: {1: 1.4, 2: 1.2, 4: 0.9, 8: 0.7} -> 4 (spec_max_concurrency 3).
+    """
+    return next((b for b in sorted(speedup_by_batch) if speedup_by_batch[b] < 1.0), None)

@@ -1,0 +1,226 @@
+"""`build` for the embedded backend: the engine directory `<workdir>/engines/` the runtime loads.
+
+Layout written (atomically, through the stage runner)::
+
+    engine_config.json     runtime config: limits, dtype, device, threads, default K and proposer, draft
+                           quantization, and the calibration (also in manifest.json)
+    target/                config.json + model.safetensors in the runtime dtype (HF names)
+    draft/                 fp draft: the same layout; int8 draft: config.json + model.int8.safetensors
+                           (engine-module names, int8 weights + per-channel scales; see quant.py)
+    tokenizer/             the target's tokenizer files
+    manifest.json
+
+Then the engine is loaded from that directory exactly as a server would (`Engine.from_build_dir`), a smoke
+generation checks that speculative output equals target-only output (greedy), and a calibration
+(`calibrate.py`) measures step times and acceptance and picks the default K.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from specbuild.errors import ManifestError, SpecbuildError, UsageError
+from specbuild.stage import PlanStep, StageContext, StageResult
+
+ENGINE_JSON = "engine_config.json"    # = specbuild.engines.embedded.ENGINE_CONFIG_FILE, read by Engine.from_build_dir
+ENGINE_FORMAT = "specbuild-embedded-engine"
+ENGINE_SCHEMA = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+SMOKE_PROMPT = "The capital of France is"
+SMOKE_TOKENS = 8
+
+
+def _checkpoint_dirs(ctx: StageContext) -> tuple[Path, Path | None]:
+    if ctx.upstream_dir is None:
+        raise ManifestError("build needs the convert stage's output; run `specbuild convert` first.")
+    up = Path(ctx.upstream_dir)
+    target = up / "target"
+    if not (target / "config.json").is_file():
+        raise ManifestError(f"{target} has no config.json; the checkpoints are incomplete: re-run "
+                            "`specbuild convert --force`.")
+    draft = up / "draft"
+    return target, (draft if (draft / "config.json").is_file() else None)
+
+
+def _weights(src: Path) -> list[Path]:
+    files = sorted(src.glob("*.safetensors"))
+    index = src / "model.safetensors.index.json"
+    return files + ([index] if index.is_file() else [])
+
+
+def _engine_config(opts: dict[str, Any], *, has_draft: bool, default_k: int, calibration: dict | None) -> dict:
+    """The runtime config `Engine.from_build_dir` reads (paths relative to the engine directory)."""
+    draft_format = None
+    if has_draft:
+        draft_format = "int8-weight-only" if opts["draft_quantize"] == "int8" else "hf-safetensors"
+    return {
+        "format": ENGINE_FORMAT, "schema": ENGINE_SCHEMA,
+        "target": "target", "target_format": "hf-safetensors",
+        "draft": "draft" if has_draft else None, "draft_format": draft_format,
+        "tokenizer": "tokenizer",
+        "max_batch_size": opts["max_batch_size"], "max_seq_len": opts["max_seq_len"],
+        "max_draft_len": opts["max_draft_len"], "dtype": opts["dtype"], "device": opts["device"],
+        "threads": opts["threads"], "default_num_draft_tokens": default_k,
+        "default_proposer": opts["proposer"], "draft_quantize": opts["draft_quantize"],
+        "calibration": calibration,
+    }
+
+
+def _write_target(src: Path, dst: Path, dtype: str) -> dict:
+    """Copy the converted target (recasting when the build dtype differs from the checkpoint's)."""
+    from specbuild.engines.embedded.weights import read_config
+
+    dst.mkdir(parents=True)
+    cfg = read_config(src)
+    files = _weights(src)
+    if cfg.get("dtype", cfg.get("torch_dtype", "float32")) == dtype:
+        for f in files:
+            shutil.copyfile(f, dst / f.name)
+    else:
+        from safetensors.torch import load_file, save_file
+
+        from specbuild.engines.embedded.weights import torch_dtype
+        dt = torch_dtype(dtype)
+        for f in files:
+            if f.suffix != ".safetensors":
+                shutil.copyfile(f, dst / f.name)
+                continue
+            state = {k: (v.to(dt) if v.is_floating_point() else v) for k, v in load_file(str(f)).items()}
+            save_file(state, str(dst / f.name), metadata={"format": "pt"})
+            del state
+    cfg["dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    return {"format": "hf-safetensors", "dtype": dtype, "files": [f.name for f in files]}
+
+
+def _write_draft(src: Path, dst: Path, *, dtype: str, quantize: str | None) -> dict:
+    if quantize is None:
+        return _write_target(src, dst, dtype)
+    from specbuild.engines.embedded.quant import quantize_model_, save_int8_model
+    from specbuild.engines.embedded.weights import load_model, read_config
+
+    model = quantize_model_(load_model(src, dtype=dtype), quantize)
+    info = save_int8_model(model, dst, hf_config={**read_config(src), "dtype": dtype})
+    return {"format": "int8-weight-only", "dtype": dtype, **info}
+
+
+def _smoke(engine, *, has_draft: bool, proposer: str) -> dict:
+    """Greedy generation with speculation off and on; the outputs must be equal (lossless)."""
+    from specbuild.engines.embedded import SamplingParams
+
+    params = SamplingParams(max_tokens=SMOKE_TOKENS, temperature=0.0, ignore_eos=True)
+    plain = engine.generate(SMOKE_PROMPT, params, num_draft_tokens=0)
+    spec_proposer = proposer if has_draft or proposer == "ngram" else "ngram"
+    spec = engine.generate(SMOKE_PROMPT, params, num_draft_tokens=min(2, engine.config.max_draft_len),
+                           proposer=spec_proposer)
+    if len(plain.token_ids) != SMOKE_TOKENS:
+        raise SpecbuildError(f"smoke generation produced {len(plain.token_ids)} tokens instead of {SMOKE_TOKENS}; "
+                             "the engine directory is unusable: report this with the build log.")
+    if spec.token_ids != plain.token_ids:
+        raise SpecbuildError(f"smoke generation with speculation ({spec_proposer}) differs from target-only output "
+                             f"({spec.token_ids} vs {plain.token_ids}): the engine is not lossless; report this.")
+    return {"name": "smoke-generation", "ok": True, "prompt": SMOKE_PROMPT, "tokens": len(plain.token_ids),
+            "text": plain.text, "speculative_equal": True, "proposer": spec_proposer}
+
+
+def run(ctx: StageContext) -> StageResult:
+    opts = ctx.options
+    target_src, draft_src = _checkpoint_dirs(ctx)
+    use_draft = opts["proposer"] == "draft" or opts["draft_quantize"] is not None
+    if opts["proposer"] == "draft" and draft_src is None:
+        raise UsageError(f"--proposer draft needs a draft checkpoint, but {ctx.upstream_dir} has none; "
+                         "re-run `specbuild convert` with --draft, or build with --proposer ngram.")
+    out = Path(ctx.out_dir)
+    outputs: dict[str, Any] = {}
+    steps = ["target", "draft", "tokenizer", "load", "smoke"] + (["calibrate"] if opts["calibrate"] else [])
+    bar = tqdm(total=len(steps), desc="build", unit="step", file=sys.stderr, leave=False)
+
+    def step(msg: str) -> None:
+        bar.set_postfix_str(msg)
+        ctx.progress(msg)
+
+    try:
+        step("writing target weights")
+        outputs["target"] = _write_target(target_src, out / "target", opts["dtype"])
+        bar.update()
+        if use_draft and draft_src is not None:
+            step("writing draft weights" + (" (int8 weight-only)" if opts["draft_quantize"] else ""))
+            outputs["draft"] = _write_draft(draft_src, out / "draft", dtype=opts["dtype"],
+                                            quantize=opts["draft_quantize"])
+        bar.update()
+        (out / "tokenizer").mkdir()
+        for name in TOKENIZER_FILES:
+            if (target_src / name).is_file():
+                shutil.copyfile(target_src / name, out / "tokenizer" / name)
+        bar.update()
+        has_draft = "draft" in outputs
+        default_k = opts["num_draft_tokens"] if opts["num_draft_tokens"] is not None else min(4, opts["max_draft_len"])
+        (out / ENGINE_JSON).write_text(json.dumps(_engine_config(opts, has_draft=has_draft, default_k=default_k,
+                                                                 calibration=None), indent=2) + "\n")
+        step("loading the engine from the build directory")
+        from specbuild.engines.embedded import Engine
+        engine = Engine.from_build_dir(out, device=opts["device"], threads=opts["threads"])
+        bar.update()
+        step("smoke generation")
+        checks = [_smoke(engine, has_draft=has_draft, proposer=opts["proposer"])]
+        bar.update()
+        calibration = None
+        if opts["calibrate"]:
+            from specbuild.engines.embedded.calibrate import calibrate
+
+            step("calibrating (step times, acceptance)")
+            cal = calibrate(engine, engine.target, engine.draft, proposer=opts["proposer"],
+                            max_draft_len=opts["max_draft_len"], progress=ctx.progress)
+            calibration = cal.to_dict()
+            if opts["num_draft_tokens"] is None:
+                default_k = cal.recommended_k
+            checks.append({"name": "calibration", "ok": True, "alpha": cal.alpha, "cost_ratio": cal.cost_ratio,
+                           "recommended_k": cal.recommended_k,
+                           "predicted_speedup": cal.predicted_speedup[cal.recommended_k]})
+            bar.update()
+        engine_cfg = _engine_config(opts, has_draft=has_draft, default_k=default_k, calibration=calibration)
+        (out / ENGINE_JSON).write_text(json.dumps(engine_cfg, indent=2) + "\n")
+    finally:
+        bar.close()
+    outputs["engine"] = {k: engine_cfg[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype",
+                                                    "device", "threads", "default_num_draft_tokens",
+                                                    "default_proposer", "draft_quantize")}
+    return StageResult(outputs=outputs, checks=checks, extra={"calibration": calibration} if calibration else {})
+
+
+def plan(ctx: StageContext) -> list[PlanStep]:
+    opts = ctx.options
+    target_src, draft_src = _checkpoint_dirs(ctx)
+    out = Path(ctx.out_dir)
+    steps = [PlanStep("note", note=f"embedded build: weights in {opts['dtype']} on {opts['device']}")]
+    for f in _weights(target_src):
+        steps.append(PlanStep("write", path=str(out / "target" / f.name)))
+    if draft_src is not None and (opts["proposer"] == "draft" or opts["draft_quantize"] is not None):
+        if opts["draft_quantize"] == "int8":
+            steps.append(PlanStep("note", note="quantize the draft's linear layers to int8 (per-output-channel)"))
+            steps.append(PlanStep("write", path=str(out / "draft" / "model.int8.safetensors")))
+        else:
+            steps += [PlanStep("write", path=str(out / "draft" / f.name)) for f in _weights(draft_src)]
+    steps.append(PlanStep("write", path=str(out / "tokenizer")))
+    has_draft = draft_src is not None and (opts["proposer"] == "draft" or opts["draft_quantize"] is not None)
+    cfg = _engine_config(opts, has_draft=has_draft,
+                         default_k=opts["num_draft_tokens"] or 0, calibration=None)
+    steps.append(PlanStep("write", path=str(out / ENGINE_JSON), content=json.dumps(cfg, indent=2)))
+    steps.append(PlanStep("note", note=f"smoke generation ({SMOKE_TOKENS} tokens, speculation on == off)"))
+    if opts["calibrate"]:
+        steps.append(PlanStep("note", note=f"calibrate: target/draft step times, verify times for K=1.."
+                                           f"{opts['max_draft_len']}, acceptance on chat/code/summarization "
+                                           "prompts -> default K"))
+    steps.append(PlanStep("write", path=str(out / "manifest.json")))
+    return steps

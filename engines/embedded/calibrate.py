@@ -1,0 +1,239 @@
+"""Calibration of a built embedded engine: what speculation costs and buys here, and the K that pays best.
+
+Measured (medians of repeated timings, so a noisy shared machine moves them less):
+- ``t_target``: one target decode step (1 new token) at a typical context length;
+- ``t_verify[K]``: one target forward over K+1 new positions (the K drafts + the bonus position);
+- ``t_draft``: one draft decode step (0 for the n-gram proposer, which runs no model);
+- ``alpha``: per-token acceptance on a built-in prompt set (chat / code / summarization), estimated from the
+  per-position acceptance counts of real speculative generations (see ``estimate_alpha``).
+
+Model (Leviathan et al. 2023, with the verify cost measured instead of assumed constant). With i.i.d.
+acceptance ``a`` and K drafted tokens, one round emits on average
+
+    E[tokens per round] = 1 + a + a^2 + ... + a^K = (1 - a^(K+1)) / (1 - a)      (= K + 1 when a = 1)
+
+and costs ``K * t_draft + t_verify[K]``; plain decoding emits 1 token per ``t_target``. Hence
+
+    predicted_speedup(K) = E[tokens per round] / ((K * t_draft + t_verify[K]) / t_target)
+
+With c = t_draft / t_target and t_verify[K] = t_target this is the paper's (1 - a^(K+1)) / ((1 - a)(Kc + 1)).
+The recommended K maximises predicted_speedup over 1..max_draft_len; when no K beats 1.0 the recommendation
+is still the best K (speculation can be switched off per request with num_draft_tokens=0) and
+``worth_speculating`` is False.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+# Short, fixed, offline prompts: a few per traffic kind, so calibration takes seconds, not minutes.
+CALIBRATION_PROMPTS: dict[str, tuple[str, ...]] = {
+    "chat": ("Explain why the sky is blue.",
+             "What are three tips for staying focused while studying?"),
+    "code": ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+             "import json\n\n\ndef load_records(path):\n"
+             "    \"\"\"Read a JSON-lines file into a list of dicts.\"\"\"\n"),
+    "summarization": (
+        "Summarize the text: The city council met on Tuesday to discuss the new park. The council approved "
+        "the budget for the park, which will include a playground, a pond and walking trails. Construction "
+        "will start in the spring and the park will open next year.\nSummary:",
+        "Summarize the text: Speculative decoding lets a small draft model propose several tokens that a "
+        "large target model then verifies in a single forward pass. Accepted tokens are kept, and the first "
+        "rejected token is replaced by the target's own choice, so the output is unchanged.\nSummary:"),
+}
+
+
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    """E[tokens emitted per draft/verify round] = (1 - a^(k+1)) / (1 - a); k + 1 when a == 1."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, *, t_target: float, t_draft: float, t_verify: float) -> float:
+    """E[tokens per round] / (round cost relative to one plain target step); see the module docstring."""
+    if k == 0:
+        return 1.0
+    return expected_tokens_per_round(alpha, k) / ((k * t_draft + t_verify) / t_target)
+
+
+def best_k(alpha: float, *, t_target: float, t_draft: float,
+           t_verify: dict[int, float]) -> tuple[int, dict[int, float]]:
+    """The K in ``t_verify`` (K >= 1) with the highest predicted speedup, and the speedup of every K."""
+    table = {k: predicted_speedup(alpha, k, t_target=t_target, t_draft=t_draft, t_verify=t_verify[k])
+             for k in sorted(t_verify) if k >= 1}
+    if not table:
+        raise ValueError("t_verify needs at least one K >= 1")
+    return max(table, key=lambda k: (table[k], -k)), table
+
+
+def estimate_alpha(accepted_per_pos: list[int], drafted_per_pos: list[int]) -> float:
+    """Maximum-likelihood per-token acceptance from per-position counts.
+
+    Position i is *tried* in a round when the round drafted it and accepted every earlier position; it
+    succeeds when it is accepted too. alpha = successes / trials. Unlike accepted/drafted, this does not
+    count drafts after the first rejection (which were never tested), so it does not underestimate alpha.
+    Example: K=3, rounds accepting 3, 0 and 1 -> accepted_per_pos [2, 1, 1], drafted_per_pos [3, 3, 3];
+    trials 3 + 2 + 1 = 6, successes 4 -> alpha = 0.667 (accepted/drafted would say 4/9 = 0.444).
+    """
+    trials = successes = 0
+    for i, (acc, dr) in enumerate(zip(accepted_per_pos, drafted_per_pos)):
+        trials += dr if i == 0 else min(accepted_per_pos[i - 1], dr)
+        successes += acc
+    return successes / trials if trials else 0.0
+
+
+def forward_probe(model, *, new_tokens: int, context: int) -> Callable[[], None]:
+    """A closure running one batch-1 forward of ``model`` over ``new_tokens`` positions after ``context`` cached
+    ones, on the engine's own KV cache and batch metadata (exactly what the scorer/proposer run)."""
+    from specbuild.engines.embedded.kvcache import KVCache
+    from specbuild.engines.embedded.model import BatchMeta
+
+    cfg = model.cfg
+    device = model.embed.weight.device
+    dtype = model.embed.weight.dtype
+    cache = KVCache(num_layers=cfg.num_layers, num_slots=1, kv_heads=cfg.num_kv_heads,
+                    max_seq=context + new_tokens, head_dim=cfg.head_dim, dtype=dtype, device=device)
+    tokens = torch.randint(0, cfg.vocab_size, (1, new_tokens), device=device)
+    positions = torch.arange(context, context + new_tokens, device=device)[None, :]   # [1, T]
+    valid = torch.ones_like(positions, dtype=torch.bool)
+    meta = BatchMeta([0], positions, valid, cache.scratch_slot, device, attn_len=context + new_tokens)
+
+    def step() -> None:
+        with torch.inference_mode():
+            model(tokens, meta, cache)
+    return step
+
+
+def time_interleaved(probes: dict, *, reps: int = 7, warmup: int = 2) -> dict:
+    """Median seconds per probe, timed round-robin (one call of each probe per round), so a burst of load
+    from other processes on a shared machine hits every probe alike instead of skewing one of them."""
+    for fn in probes.values():
+        for _ in range(warmup):
+            fn()
+    times: dict = {name: [] for name in probes}
+    for _ in range(reps):
+        for name, fn in probes.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def time_forward(model, *, new_tokens: int, context: int, reps: int = 7) -> float:
+    """Median seconds of one batch-1 forward (see ``forward_probe``)."""
+    return time_interleaved({0: forward_probe(model, new_tokens=new_tokens, context=context)}, reps=reps)[0]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    proposer: str                        # "draft" | "ngram"
+    context_tokens: int                  # context length the step times were measured at
+    t_target_s: float                    # one target decode step
+    t_verify_s: dict[int, float]         # K -> target forward over K+1 positions
+    t_draft_s: float                     # one draft decode step (0 for n-gram)
+    cost_ratio: float                    # c = t_draft / t_target
+    alpha: float                         # per-token acceptance (MLE over all calibration prompts)
+    alpha_by_kind: dict[str, float]      # the same per prompt kind (chat / code / summarization)
+    acceptance_rate: float               # accepted / drafted at the calibration K (for comparison)
+    calibration_k: int                   # K the acceptance runs used
+    predicted_speedup: dict[int, float]  # K -> predicted speedup
+    recommended_k: int
+    worth_speculating: bool              # predicted_speedup[recommended_k] > 1
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["t_verify_s"] = {str(k): v for k, v in self.t_verify_s.items()}
+        d["predicted_speedup"] = {str(k): v for k, v in self.predicted_speedup.items()}
+        d["formula"] = ("predicted_speedup(K) = ((1 - alpha^(K+1)) / (1 - alpha)) / "
+                        "((K * t_draft + t_verify[K]) / t_target)")
+        return d
+
+
+def measure_acceptance(engine, *, proposer: str, k: int, max_tokens: int,
+                       progress: Callable[[str], None] | None = None) -> tuple[float, dict[str, float], float]:
+    """Greedy speculative generations over CALIBRATION_PROMPTS -> (alpha, alpha per kind, accepted/drafted)."""
+    from specbuild.engines.embedded import SamplingParams
+
+    max_seq = engine.config.max_seq_len
+    max_tokens = max(1, min(max_tokens, max_seq // 4))
+    budget = max_seq - max_tokens           # prompt tokens that fit; longer prompts keep their tail
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tok = engine.tokenizer
+    per_kind: dict[str, tuple[list[int], list[int]]] = {}
+    acc_total = drafted_total = 0
+    for kind, prompts in CALIBRATION_PROMPTS.items():
+        acc_pos: list[int] = []
+        dr_pos: list[int] = []
+        for prompt in prompts:
+            text = _as_chat(tok, prompt) if kind == "chat" else prompt
+            ids = tok.encode(text, add_special_tokens=kind != "chat")[-budget:]
+            out = engine.generate(ids, params, num_draft_tokens=k, proposer=proposer)
+            st = out.stats
+            _add(acc_pos, st.accepted_per_pos)
+            _add(dr_pos, st.drafted_per_pos)
+            acc_total += st.num_accepted_tokens
+            drafted_total += st.num_draft_tokens
+            if progress:
+                progress(f"calibration {kind}: {st.num_accepted_tokens}/{st.num_draft_tokens} drafts accepted")
+        per_kind[kind] = (acc_pos, dr_pos)
+    all_acc: list[int] = []
+    all_dr: list[int] = []
+    for acc_pos, dr_pos in per_kind.values():
+        _add(all_acc, acc_pos)
+        _add(all_dr, dr_pos)
+    by_kind = {kind: estimate_alpha(a, d) for kind, (a, d) in per_kind.items()}
+    rate = acc_total / drafted_total if drafted_total else 0.0
+    return estimate_alpha(all_acc, all_dr), by_kind, rate
+
+
+def _add(acc: list[int], values) -> None:
+    for i, v in enumerate(values):
+        if i >= len(acc):
+            acc.append(0)
+        acc[i] += int(v)
+
+
+def _as_chat(tokenizer, prompt: str) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def calibrate(engine, target_model, draft_model, *, proposer: str, max_draft_len: int, context: int = 96,
+              max_tokens: int = 32, reps: int = 7, progress: Callable[[str], None] | None = None) -> Calibration:
+    """Time the target/draft forwards, measure acceptance with ``engine``, and pick K (see module docstring)."""
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    say(f"calibration: timing target step, target verify for K=1..{max_draft_len}"
+        + (", draft step" if proposer == "draft" else ""))
+    probes = {("verify", k): forward_probe(target_model, new_tokens=k + 1, context=context)
+              for k in range(0, max_draft_len + 1)}          # K=0: a plain decode step (1 position)
+    if proposer == "draft":
+        probes[("draft", 1)] = forward_probe(draft_model, new_tokens=1, context=context)
+    timed = time_interleaved(probes, reps=reps)
+    t_target = timed[("verify", 0)]
+    t_verify = {k: timed[("verify", k)] for k in range(1, max_draft_len + 1)}
+    # n-gram lookup runs no model: its cost (microseconds of list search) is left out of the round cost.
+    t_draft = timed.get(("draft", 1), 0.0)
+    calib_k = min(4, max_draft_len)
+    alpha, by_kind, rate = measure_acceptance(engine, proposer=proposer, k=calib_k, max_tokens=max_tokens,
+                                              progress=say)
+    k_best, table = best_k(alpha, t_target=t_target, t_draft=t_draft, t_verify=t_verify)
+    notes = []
+    if table[k_best] <= 1.0:
+        notes.append(f"no K in 1..{max_draft_len} is predicted to beat plain decoding here "
+                     f"(best {table[k_best]:.2f}x at K={k_best}); serve with num_draft_tokens=0 or a cheaper draft.")
+    return Calibration(proposer=proposer, context_tokens=context, t_target_s=t_target, t_verify_s=t_verify,
+                       t_draft_s=t_draft, cost_ratio=t_draft / t_target if t_target else 0.0, alpha=alpha,
+                       alpha_by_kind=by_kind, acceptance_rate=rate, calibration_k=calib_k,
+                       predicted_speedup=table, recommended_k=k_best, worth_speculating=table[k_best] > 1.0,
+                       seconds=time.perf_counter() - t0, notes=notes)

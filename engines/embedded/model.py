@@ -1,0 +1,252 @@
+"""A compact Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, SmolLM) for the embedded engine.
+
+Fused QKV and gate/up projections; GQA through SDPA with an explicit boolean mask so ragged batches
+(different lengths, different numbers of new tokens per row) run in one forward; RoPE (default, linear,
+llama3); RMSNorm; SwiGLU. Every projection is an `nn.Linear`-compatible submodule (`forward(x)`,
+`.weight`), so a quantized draft (`quant.quantize_model_`) swaps them in place and stays the same class.
+
+Shapes: B = rows in the batch, T = new tokens per row (padded), S = attended cache length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specbuild.errors import SourceError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2", "smollm3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ()          # sorted (key, value) pairs of the HF rope dict, () = default
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise SourceError(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
+                              f"{self.num_kv_heads}; the checkpoint's config.json is inconsistent.")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        mtype = cfg.get("model_type", "")
+        if mtype not in SUPPORTED_MODEL_TYPES:
+            raise SourceError(f"model_type {mtype!r} is not supported by the embedded engine "
+                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --backend trtllm for other "
+                              f"families.")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise SourceError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu / SwiGLU).")
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype not in ("default", "linear", "llama3"):
+            raise SourceError(f"rope type {rtype!r} is not supported by the embedded engine (default, linear, llama3).")
+        scaling = () if rtype == "default" else tuple(sorted((k, v) for k, v in rope.items()
+                                                             if isinstance(v, (int, float, str))))
+        return cls(
+            model_type=mtype, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", False)) or mtype == "qwen2",
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for the RoPE variant in `cfg.rope_scaling`."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = dict(cfg.rope_scaling)
+    rtype = sc.get("rope_type", sc.get("type", "default"))
+    if rtype == "linear":
+        inv = inv / float(sc["factor"])
+    elif rtype == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)   # fused q|k|v
+        self.o = nn.Linear(self.q_size, h, bias=False)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)          # fused gate|up
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.inter = cfg.intermediate_size
+
+    def forward(self, x, cos, sin, kc, vc, meta: "BatchMeta"):
+        B, T, _ = x.shape
+        qkv = self.qkv(self.input_norm(x))                                  # [B, T, q+2kv]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(B, T, self.n_heads, self.hd)
+        k = k.view(B, T, self.n_kv, self.hd)
+        q = q * cos + _rotate_half(q) * sin                                 # cos/sin: [B, T, 1, hd]
+        k = k * cos + _rotate_half(k) * sin
+        # Write by position: kc[slot, :, pos] = k[b, t]; a rejected draft is simply overwritten later.
+        kc[meta.write_slots, :, meta.write_pos] = k.to(kc.dtype)
+        vc[meta.write_slots, :, meta.write_pos] = v.view(B, T, self.n_kv, self.hd).to(vc.dtype)
+        keys, vals = meta.read(kc), meta.read(vc)                           # [B, kv, S, hd]
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=meta.mask,
+                                             enable_gqa=self.n_kv != self.n_heads)    # [B, H, T, hd]
+        x = x + self.o(att.transpose(1, 2).reshape(B, T, self.q_size))
+        gu = self.gate_up(self.post_norm(x))
+        g, u = gu.split((self.inter, self.inter), dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class BatchMeta:
+    """Per-forward indexing built once and shared by every layer.
+
+    tokens are at `positions` [B, T] of cache rows `slots` [B]; padded entries (ragged rows) write to a
+    scratch slot so they never clobber real cache entries. Query (b, t) attends to cache positions
+    0..positions[b, t] of its own slot.
+    """
+
+    def __init__(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor, scratch_slot: int,
+                 device, attn_len: int):
+        B, T = positions.shape
+        self.B, self.T = B, T
+        pos_q = positions if B == 1 else torch.where(valid, positions, torch.zeros_like(positions))
+        self.attn_len = attn_len                                             # S = max real position + 1
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        self.write_slots = torch.where(valid, slot_t[:, None], torch.full_like(positions, scratch_slot))
+        self.write_pos = torch.where(valid, positions, torch.zeros_like(positions))
+        contiguous = slots == list(range(slots[0], slots[0] + B))
+        self._slice = (slots[0], slots[0] + B) if contiguous else None
+        self._slot_t = slot_t
+        if B == 1 and T == 1:
+            self.mask = None                                                 # attend to the whole 0..pos range
+        else:
+            ar = torch.arange(self.attn_len, device=device)
+            self.mask = (ar[None, None, :] <= pos_q[:, :, None]).unsqueeze(1)   # [B, 1, T, S]
+        self.positions = pos_q
+
+    def read(self, cache):
+        if self._slice is not None:
+            return cache[self._slice[0]:self._slice[1], :, :self.attn_len]
+        return cache[:, :, :self.attn_len].index_select(0, self._slot_t)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._rope_cache = None
+
+    def _rope(self, positions: torch.Tensor, need: int):
+        """cos/sin [B, T, 1, hd] for `positions` (all < need), from a table grown on demand."""
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < need:
+            n = max(need, 2 * (self._rope_cache[0].shape[0] if self._rope_cache else 256))
+            t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+            freqs = torch.outer(t, self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            dt = self.embed.weight.dtype
+            self._rope_cache = (emb.cos().to(dt), emb.sin().to(dt))
+        cos, sin = self._rope_cache
+        return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
+
+    def forward(self, tokens: torch.Tensor, meta: BatchMeta, cache, logits_index: torch.Tensor | None = None):
+        """tokens [B, T] -> logits [N, V] (float32) at the flattened rows `logits_index` (default: every row)."""
+        x = self.embed(tokens)
+        cos, sin = self._rope(meta.positions, meta.attn_len)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], meta)
+        x = x.reshape(-1, x.shape[-1])
+        if logits_index is not None:
+            x = x.index_select(0, logits_index)
+        return self.lm_head(self.norm(x)).float()
+
+    def num_bytes(self) -> int:
+        seen, total = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+@torch.inference_mode()
+def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int], rows: list[list[int]],
+                   logits: str = "last", device="cpu"):
+    """Run rows of new tokens (row i at positions starts[i]..) in one padded forward.
+
+    logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None.
+    """
+    B, T = len(rows), max(len(r) for r in rows)
+    lens = [len(r) for r in rows]
+    if B == 1:
+        tokens = torch.tensor([rows[0]], dtype=torch.long, device=device)
+        positions = torch.arange(starts[0], starts[0] + T, device=device)[None]
+        valid = torch.ones((1, T), dtype=torch.bool, device=device)
+    else:
+        tokens = torch.tensor([r + [0] * (T - len(r)) for r in rows], dtype=torch.long, device=device)
+        positions = (torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)[None])
+        valid = torch.arange(T, device=device)[None] < torch.tensor(lens, device=device)[:, None]
+    meta = BatchMeta(slots, positions, valid, cache.scratch_slot, device,
+                     max(s + n for s, n in zip(starts, lens)))
+    if logits == "none":
+        idx = torch.empty(0, dtype=torch.long, device=device)
+    elif logits == "last":
+        idx = torch.tensor([b * T + n - 1 for b, n in enumerate(lens)], device=device)
+    elif all(n == T for n in lens):
+        idx = None
+    else:
+        idx = torch.tensor([b * T + t for b, n in enumerate(lens) for t in range(n)], device=device)
+    out = model(tokens, meta, cache, idx)
+    return None if logits == "none" else out

@@ -1,0 +1,120 @@
+"""Proposers: who drafts the K tokens the target verifies.
+
+- `DraftModelProposer`: runs a small model with its own KV cache (same slot numbers as the target), batched
+  across the sequences that speculate, K_i steps each; keeps its cache in sync with the accepted tokens.
+- `NgramProposer`: prompt lookup over the request's own tokens; no model, deterministic (q is one-hot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specbuild.engines.embedded.kvcache import KVCache
+from specbuild.engines.embedded.model import Transformer, ragged_forward
+from specbuild.engines.embedded.sampling import processed_probs, sample
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]                  # [k] drafted tokens (k may be below the requested K, even 0)
+    probs: torch.Tensor | None = None     # [k, V] processed draft distributions sampled from; None = one-hot
+
+
+class NgramProposer:
+    """Prompt-lookup decoding: match the last n tokens (n = max_n..min_n) earlier in the sequence and propose
+    the tokens that followed the most recent match.
+
+    Example: tokens [1 2 3 4 9 1 2 3], max_n=3, k=2: suffix [1 2 3] also occurs at 0 -> propose [4, 9].
+    """
+
+    def __init__(self, min_n: int = 1, max_n: int = 3):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose_one(self, tokens: list[int], k: int) -> Proposal:
+        n_tok = len(tokens)
+        if k <= 0:
+            return Proposal([])
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = tokens[n_tok - n:]
+            first = suffix[0]
+            best: list[int] = []
+            # the most recent earlier occurrence with a full k-token continuation, else the longest one
+            for i in range(n_tok - n - 1, -1, -1):
+                if tokens[i] == first and tokens[i:i + n] == suffix:
+                    cont = tokens[i + n:i + n + k]
+                    if len(cont) > len(best):
+                        best = cont
+                        if len(best) == k:
+                            break
+            if best:
+                return Proposal(best)
+        return Proposal([])
+
+    def propose(self, seqs, ks: list[int]) -> list[Proposal]:
+        return [self.propose_one(s.tokens, k) for s, k in zip(seqs, ks)]
+
+
+class DraftModelProposer:
+    def __init__(self, model: Transformer, cache: KVCache, device):
+        self.model, self.cache, self.device = model, cache, device
+
+    @torch.inference_mode()
+    def prefill(self, seqs) -> None:
+        """Cache each prompt but its last token (fed by the first propose); one forward for all."""
+        todo = [s for s in seqs if len(s.tokens) > 1]
+        if todo:
+            ragged_forward(self.model, self.cache, [s.slot for s in todo], [0] * len(todo),
+                           [s.tokens[:-1] for s in todo], "none", self.device)
+        for s in seqs:
+            s.draft_len = len(s.tokens) - 1
+
+    @torch.inference_mode()
+    def propose(self, seqs, ks: list[int]) -> list[Proposal]:
+        """Draft ks[i] tokens for seqs[i] (batched; rows leave the batch once they have their K)."""
+        out = [Proposal([]) for _ in seqs]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        if not live:
+            return out
+        drafted: dict[int, list[int]] = {i: [] for i in live}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        # Catch-up: feed tokens[draft_len:n] so the cache holds every accepted token.
+        rows = [seqs[i].tokens[seqs[i].draft_len:] for i in live]
+        starts = [seqs[i].draft_len for i in live]
+        logits = ragged_forward(self.model, self.cache, [seqs[i].slot for i in live], starts, rows, "last",
+                                self.device)
+        step = 0
+        while True:
+            self._pick(seqs, live, logits, drafted, probs)
+            step += 1
+            live = [i for i in live if ks[i] > step]
+            if not live:
+                break
+            pos = [len(seqs[i].tokens) - 1 + step for i in live]
+            logits = ragged_forward(self.model, self.cache, [seqs[i].slot for i in live], pos,
+                                    [[drafted[i][-1]] for i in live], "last", self.device)
+        for i in drafted:
+            p = torch.stack(probs[i]) if probs[i] else None
+            out[i] = Proposal(drafted[i], p)
+        return out
+
+    def _pick(self, seqs, live, logits, drafted, probs) -> None:
+        greedy = [j for j, i in enumerate(live) if seqs[i].params.greedy]
+        if greedy:
+            ids = logits[greedy].argmax(-1).tolist()
+            for j, t in zip(greedy, ids):
+                drafted[live[j]].append(t)
+        for j, i in enumerate(live):
+            s = seqs[i]
+            if s.params.greedy:
+                continue
+            q = processed_probs(logits[j:j + 1], s.params)            # [1, V]
+            drafted[i].append(int(sample(q, s.generator)[0]))
+            probs[i].append(q[0])
+
+    @staticmethod
+    def synced_len(n_before: int, k: int, num_accepted: int) -> int:
+        """Draft cache length after a step: the real prefix plus the accepted drafts it already holds
+        (d1..d_{k-1} were fed; d_k never was)."""
+        return n_before - 1 + 1 + min(num_accepted, k - 1) if k > 0 else n_before - 1

@@ -1,0 +1,226 @@
+"""The load-test report: `report.json` (every figure), `report.md` (tables) and PNG plots (matplotlib Agg).
+
+Latency percentiles are computed from the raw per-request samples (exact, not Locust's rounded
+buckets); Locust's own CSV medians are kept beside them. Throughput is output tokens over the measured
+window (first send -> last completion). The gain table ("batch vs interactive") gives, per profile,
+the speculation-off / speculation-on ratios of TTFT, TPOT and e2e medians (> 1 = faster with
+speculation) and the on / off ratio of tokens per second, with the acceptance figures beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from specbuild.loadtests.runner import CellResult
+
+PERCENTILES = (50, 90, 95, 99)
+LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
+
+
+def distribution(values: list[float]) -> dict[str, Any] | None:
+    if not values:
+        return None
+    v = sorted(values)
+
+    def pct(p: float) -> float:   # linear interpolation, like numpy's default
+        k = (len(v) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+    out = {"count": len(v), "mean": sum(v) / len(v), "min": v[0], "max": v[-1]}
+    out.update({f"p{p}": pct(p) for p in PERCENTILES})
+    return out
+
+
+def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, metrics: dict | None = None,
+                   cross_check: dict | None = None) -> dict[str, Any]:
+    ok = [s for s in cell.samples if s.get("ok")]
+    failed = [s for s in cell.samples if not s.get("ok")]
+    total = len(ok) + len(failed)
+    tokens = sum(s["tokens"] for s in ok)
+    if ok:
+        window = max(s["start"] + s["e2e_ms"] / 1000 for s in ok) - min(s["start"] for s in ok)
+    else:
+        window = 0.0
+    accepted = sum(s["accepted"] for s in ok if s.get("accepted") is not None)
+    drafted = sum(s["drafted"] for s in ok if s.get("drafted") is not None)
+    out: dict[str, Any] = {
+        "profile": cell.profile, "setting": cell.setting, "stream": stream, "users": users,
+        "wall_s": round(cell.duration_s, 3), "window_s": round(window, 3),
+        "interrupted": cell.interrupted, "timed_out": cell.timed_out, "locust_exit_code": cell.exit_code,
+        "requests": len(ok), "failures": len(failed), "error_rate": (len(failed) / total) if total else None,
+        "errors": sorted({s["error"] for s in failed})[:5],
+        "ttft_ms": distribution([s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None]),
+        "itl_ms": distribution([g for s in ok for g in s.get("itl_ms", [])]),
+        "tpot_ms": distribution([s["tpot_ms"] for s in ok if s.get("tpot_ms") is not None]),
+        "e2e_ms": distribution([s["e2e_ms"] for s in ok]),
+        "tpot_definition": "(e2e - ttft) / (tokens - 1)" if stream else "e2e / tokens (non-streaming)",
+        "output_tokens": tokens,
+        "output_tokens_per_request": distribution([s["tokens"] for s in ok]),
+        "tokens_per_s": tokens / window if window > 0 else None,
+        "requests_per_s": len(ok) / window if window > 0 else None,
+        "acceptance": {
+            "responses": {"accepted": accepted, "drafted": drafted,
+                          "acceptance_rate": accepted / drafted if drafted else None},
+            "server_metrics": metrics or {},
+        },
+        "harness": {"overhead_ms": distribution([s.get("overhead_ms", 0.0) for s in ok]),
+                    "zero_work_probe_ms": distribution(cell.probes_ms)},
+        "locust": {kind: {"count": int(row["Request Count"]), "failures": int(row["Failure Count"]),
+                          "median_ms": _num(row["Median Response Time"]), "p95_ms": _num(row.get("95%")),
+                          "avg_ms": _num(row["Average Response Time"])}
+                   for kind, row in cell.locust_stats.items()},
+    }
+    if cross_check:
+        out["cross_check"] = cross_check
+    out["_raw"] = {"ttft_ms": [s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None],
+                   "itl_ms": [g for s in ok for g in s.get("itl_ms", [])], "e2e_ms": [s["e2e_ms"] for s in ok]}
+    if gates is not None and gates.active:
+        problems = gates.violations(p95_ttft_ms=_p(out["ttft_ms"], "p95"), p95_tpot_ms=_p(out["tpot_ms"], "p95"),
+                                    p95_e2e_ms=_p(out["e2e_ms"], "p95"),
+                                    error_rate=out["error_rate"] if total else 1.0)
+        if not total:
+            problems.append("no request completed")
+        out["gates"] = {"passed": not problems, "violations": problems}
+    return out
+
+
+def _num(x: Any) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _p(dist: dict | None, key: str) -> float | None:
+    return dist[key] if dist else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def gain_table(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
+    """Per profile and non-baseline setting: off/on latency ratios and on/off tok/s, with acceptance."""
+    if baseline is None:
+        return []
+    rows = []
+    for off in (c for c in cells if c["setting"] == baseline):
+        for on in (c for c in cells if c["profile"] == off["profile"] and c["setting"] != baseline):
+            acc = on["acceptance"]
+            rows.append({
+                "profile": on["profile"], "setting": on["setting"], "baseline": baseline,
+                "ttft_speedup": _ratio(_p(off["ttft_ms"], "p50"), _p(on["ttft_ms"], "p50")),
+                "tpot_speedup": _ratio(_p(off["tpot_ms"], "p50"), _p(on["tpot_ms"], "p50")),
+                "e2e_speedup": _ratio(_p(off["e2e_ms"], "p50"), _p(on["e2e_ms"], "p50")),
+                "throughput_gain": _ratio(on["tokens_per_s"], off["tokens_per_s"]),
+                "acceptance_rate": acc["responses"]["acceptance_rate"]
+                if acc["responses"]["acceptance_rate"] is not None else acc["server_metrics"].get("acceptance_rate"),
+                "mean_accepted_length": acc["server_metrics"].get("mean_accepted_length"),
+            })
+    return rows
+
+
+def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
+    """Write report.json, report.md and the plots into `out_dir`; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
+    paths.update(_plots(out_dir, report["cells"]))
+    for c in report["cells"]:
+        c.pop("_raw", None)   # raw samples stay in the run directories, not in report.json
+    report["plots"] = {k: p.name for k, p in paths.items() if k not in ("json", "md")}
+    paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n")
+    paths["md"].write_text(render_markdown(report))
+    return paths
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Load test report", "", f"- target: `{report['url']}` model `{report['model']}` "
+             f"over {report['protocol']}", f"- started: {report['started']}",
+             f"- status: {report['status']}", ""]
+    lines += ["## Latency and throughput", "",
+              "| profile | setting | req | err | TTFT p50/p95 ms | ITL p50/p95 ms | TPOT p50/p95 ms | "
+              "e2e p50/p95 ms | tok/s | acceptance |", "|" + "---|" * 10]
+    for c in report["cells"]:
+        pair = lambda d: f"{_f(_p(d, 'p50'))} / {_f(_p(d, 'p95'))}"  # noqa: E731
+        lines.append(f"| {c['profile']} | {c['setting']} | {c['requests']} | {c['failures']} | {pair(c['ttft_ms'])} | "
+                     f"{pair(c['itl_ms'])} | {pair(c['tpot_ms'])} | {pair(c['e2e_ms'])} | "
+                     f"{_f(c['tokens_per_s'])} | {_f(c['acceptance']['responses']['acceptance_rate'], '{:.2f}')} |")
+    if report.get("gains"):
+        lines += ["", "## Batch vs interactive: what speculation buys", "",
+                  "Ratios of medians, speculation off / on for latencies (> 1 = faster), on / off for tok/s.", "",
+                  "| profile | setting vs baseline | TTFT | TPOT | e2e | tok/s | acceptance rate | mean accepted len |",
+                  "|" + "---|" * 8]
+        for g in report["gains"]:
+            lines.append(f"| {g['profile']} | {g['setting']} vs {g['baseline']} | {_f(g['ttft_speedup'], '{:.2f}x')} | "
+                         f"{_f(g['tpot_speedup'], '{:.2f}x')} | {_f(g['e2e_speedup'], '{:.2f}x')} | "
+                         f"{_f(g['throughput_gain'], '{:.2f}x')} | {_f(g['acceptance_rate'], '{:.2f}')} | "
+                         f"{_f(g['mean_accepted_length'], '{:.2f}')} |")
+    lines += ["", "## Measurement quality", "",
+              "| profile | setting | harness overhead p50 ms | zero-work probe p50 ms | Locust CSV E2E median | "
+              "cross-check TTFT / e2e (independent / Locust) |", "|" + "---|" * 6]
+    for c in report["cells"]:
+        cc = c.get("cross_check") or {}
+        lines.append(f"| {c['profile']} | {c['setting']} | {_f(_p(c['harness']['overhead_ms'], 'p50'), '{:.3f}')} | "
+                     f"{_f(_p(c['harness']['zero_work_probe_ms'], 'p50'), '{:.2f}')} | "
+                     f"{_f(c['locust'].get('E2E', {}).get('median_ms'))} | "
+                     f"{_f(cc.get('ttft_ratio'), '{:.3f}')} / {_f(cc.get('e2e_ratio'), '{:.3f}')} |")
+    gated = [c for c in report["cells"] if "gates" in c]
+    if gated:
+        lines += ["", "## SLO gates", ""]
+        for c in gated:
+            verdict = "pass" if c["gates"]["passed"] else "FAIL: " + "; ".join(c["gates"]["violations"])
+            lines.append(f"- {c['profile']} / {c['setting']}: {verdict}")
+    if report.get("plots"):
+        lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in report["plots"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _plots(out_dir: Path, cells: list[dict[str, Any]]) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: dict[str, Path] = {}
+    raw = {(c["profile"], c["setting"]): c.get("_raw", {}) for c in cells}
+    for key, title in (("ttft_ms", "Time to first token"), ("itl_ms", "Inter-token latency"),
+                       ("e2e_ms", "End-to-end latency")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        drawn = False
+        for (profile, setting), values in raw.items():
+            v = sorted(values.get(key, []))
+            if v:
+                ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=f"{profile} / {setting}")
+                drawn = True
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests" if key != "itl_ms" else "fraction of gaps")
+        ax.set_title(f"{title} (CDF)" + ("" if drawn else " - not measured (no streaming run)"))
+        if drawn:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        path = out_dir / f"{key.removesuffix('_ms')}_cdf.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths[key.removesuffix("_ms")] = path
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{c['profile']}\n{c['setting']}" for c in cells]
+    ax.bar(range(len(cells)), [c["tokens_per_s"] or 0 for c in cells], color="tab:blue")
+    ax.set_xticks(range(len(cells)), labels, fontsize=8)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Throughput")
+    ax.grid(axis="y", alpha=0.3)
+    path = out_dir / "throughput.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    paths["throughput"] = path
+    return paths

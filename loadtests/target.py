@@ -1,0 +1,174 @@
+"""The deployment under test, seen from outside: pre-flight checks and Prometheus metrics.
+
+Everything here runs *before* (and after) load is sent, so a server that is down, a model name that
+does not exist or a parameter the model does not take fails fast with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from specbuild.errors import ServerError, UsageError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    inputs: tuple[str, ...]
+    batch_dim: bool            # the model declares max_batch_size > 0 (inputs carry a batch dimension)
+
+
+def _get(client: httpx.Client, url: str) -> httpx.Response:
+    try:
+        return client.get(url)
+    except httpx.HTTPError as e:
+        raise ServerError(f"no Triton server answers at {url} ({type(e).__name__}: {e}). Start the deployment "
+                          "(`specbuild serve --workdir ...`) or pass the right --url.") from e
+
+
+def preflight(url: str, model: str, *, timeout: float = 10.0) -> ModelInfo:
+    """Server ready, model known and ready; returns the model's declared inputs."""
+    with httpx.Client(timeout=timeout) as client:
+        ready = _get(client, f"{url}/v2/health/ready")
+        if ready.status_code != 200:
+            raise ServerError(f"Triton at {url} is up but not ready (HTTP {ready.status_code}); wait for "
+                              "the models to load or check the server log (`specbuild status`).")
+        meta = _get(client, f"{url}/v2/models/{model}")
+        if meta.status_code != 200:
+            known = _model_names(client, url)
+            raise UsageError(f"model {model!r} does not exist on {url} ({_error(meta)}); models there: "
+                             f"{known or 'none'}. Pass one of them with --model.")
+        if _get(client, f"{url}/v2/models/{model}/ready").status_code != 200:
+            raise ServerError(f"model {model!r} on {url} is not ready; load it (explicit model control) "
+                              "or check the server log.")
+        inputs = tuple(i["name"] for i in meta.json().get("inputs", []))
+        config = _get(client, f"{url}/v2/models/{model}/config")
+        batch_dim = config.status_code != 200 or config.json().get("max_batch_size", 1) > 0
+        return ModelInfo(model, inputs, batch_dim)
+
+
+def check_grpc(grpc_url: str, model: str) -> None:
+    """Triton's gRPC endpoint answers and serves `model` (for --protocol grpc)."""
+    import tritonclient.grpc as grpcclient
+
+    try:
+        client = grpcclient.InferenceServerClient(grpc_url)
+        try:
+            ok = client.is_server_ready(client_timeout=10) and client.is_model_ready(model, client_timeout=10)
+        finally:
+            client.close()
+    except Exception as e:  # InferenceServerException or a grpc error
+        raise ServerError(f"Triton's gRPC endpoint at {grpc_url} does not answer ({e}); pass --grpc-url "
+                          "host:port (default: the --url host, port 8001).") from e
+    if not ok:
+        raise ServerError(f"model {model!r} is not ready on the gRPC endpoint {grpc_url}.")
+
+
+def check_inputs(info: ModelInfo, names: list[str]) -> None:
+    missing = [n for n in names if n not in info.inputs]
+    if missing:
+        hint = (" num_draft_tokens is taken by the speculative model: pass --model tensorrt_llm_bls."
+                if "num_draft_tokens" in missing else "")
+        raise UsageError(f"model {info.name!r} has no input(s) {missing} (it takes {list(info.inputs)}).{hint}")
+
+
+def smoke_request(url: str, model: str, payload: dict[str, Any], stream: bool, timeout: float = 120.0) -> None:
+    """One short real request with the run's exact payload, so a refused parameter fails before the load."""
+    body = {**payload, "text_input": "Hello", "max_tokens": 2}
+    path = f"{url}/v2/models/{model}/generate" + ("_stream" if stream else "")
+    try:
+        with httpx.Client(timeout=timeout) as client:
+            resp = client.post(path, json=body)
+    except httpx.HTTPError as e:
+        raise ServerError(f"the smoke request to {path} failed ({type(e).__name__}: {e}).") from e
+    text = resp.text
+    err = None
+    if resp.status_code != 200:
+        err = _error(resp)
+    elif stream:
+        for line in text.splitlines():
+            if line.startswith("data:") and "error" in (data := json.loads(line[5:])):
+                err = data["error"]
+    if err:
+        raise UsageError(f"the deployment refused a request with this run's parameters "
+                         f"{sorted(body)}: {err}. Fix the profile / --compare values.")
+
+
+def _error(resp: httpx.Response) -> str:
+    try:
+        return resp.json().get("error", resp.text[:200])
+    except ValueError:
+        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+
+
+def _model_names(client: httpx.Client, url: str) -> list[str]:
+    try:
+        return sorted({m["name"] for m in client.post(f"{url}/v2/repository/index").json()})
+    except Exception:
+        return []
+
+
+# --- Prometheus metrics --------------------------------------------------------------------------------
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[-+]Inf)$')
+
+
+def scrape(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | None:
+    """`name{labels}` -> value of every sample on Triton's metrics port; None if it cannot be reached."""
+    if not metrics_url:
+        return None
+    try:
+        text = httpx.get(metrics_url, timeout=timeout).text
+    except httpx.HTTPError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    out["_scraped_at"] = time.time()
+    return out
+
+
+def metric_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    if not before or not after:
+        return {}
+    return {k: after[k] - before.get(k, 0.0) for k in after if k != "_scraped_at" and after[k] != before.get(k)}
+
+
+def model_deltas(deltas: dict[str, float], model: str) -> dict[str, float]:
+    """Triton's request counters for `model` and every custom `specbuild_*` / spec counter, as deltas."""
+    keep = ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+            "nv_inference_request_duration_us", "nv_inference_queue_duration_us")
+    return {k: v for k, v in deltas.items()
+            if (k.startswith(keep) and f'model="{model}"' in k) or k.startswith("specbuild_")
+            or any(s in k.split("{")[0].lower() for s in ("draft", "accept"))}
+
+
+def _sum(deltas: dict[str, float], pred) -> float | None:
+    vals = [v for k, v in deltas.items() if pred(k.split("{")[0].lower())]
+    return sum(vals) if vals else None
+
+
+def spec_summary(deltas: dict[str, float]) -> dict[str, Any]:
+    """Acceptance figures from the deployment's custom spec-decoding counters, if it exports any.
+
+    Counter names are matched loosely (`*accepted*`, `*draft*token*`, `*draft*step*|*num_drafts*`), as in
+    `vllm bench serve`: acceptance rate = d(accepted) / d(drafted tokens), mean accepted length =
+    1 + d(accepted) / d(drafts).
+    """
+    accepted = _sum(deltas, lambda n: "accepted" in n and "rate" not in n and "per_pos" not in n)
+    drafted = _sum(deltas, lambda n: "draft" in n and "token" in n and "accepted" not in n)
+    drafts = _sum(deltas, lambda n: "draft" in n and ("step" in n or "num_drafts" in n or n.endswith("drafts_total")))
+    out: dict[str, Any] = {"accepted": accepted, "drafted": drafted, "drafts": drafts}
+    out["acceptance_rate"] = accepted / drafted if accepted is not None and drafted else None
+    out["mean_accepted_length"] = 1 + accepted / drafts if accepted is not None and drafts else None
+    out["counters"] = sorted({k.split("{")[0] for k in deltas
+                              if any(s in k.lower() for s in ("draft", "accept", "spec"))})
+    return out

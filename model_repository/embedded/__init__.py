@@ -1,0 +1,1 @@
+"""Templates of the embedded (pure-PyTorch engine) Triton model repository."""

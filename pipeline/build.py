@@ -1,0 +1,115 @@
+"""`build` stage: turn `<workdir>/checkpoints/` (from `specbuild convert`) into `<workdir>/engines/`.
+
+The backend does the work (`specbuild.engines.<backend>.build`):
+- `embedded`: an engine directory the pure-PyTorch engine loads (`engine.json`, target/ and draft/ weights in the
+  runtime layout, an optional int8 weight-only draft, tokenizer), a smoke generation and a calibration that
+  picks the default K (see `specbuild.engines.embedded.calibrate`);
+- `trtllm`: `trtllm-build` for target and draft (the trtllm-only options below are passed through).
+
+Validation happens here, once, before anything is read or written; re-running with unchanged checkpoints and
+options is a no-op (the stage runner's fingerprint).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from specbuild.errors import UsageError
+from specbuild.stage import BACKENDS, PlanStep, run_stage
+
+DTYPES = ("float32", "float16", "bfloat16")
+PROPOSERS = ("draft", "ngram")
+DRAFT_QUANTIZATIONS = ("int8",)
+MAX_DRAFT_LEN_LIMIT = 32
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    out_dir: Path
+    manifest: dict[str, Any]
+    skipped: bool                        # True: checkpoints and options unchanged, nothing was redone
+    seconds: float
+    plan: list[PlanStep] | None = None   # set for dry runs
+
+    @property
+    def calibration(self) -> dict[str, Any] | None:
+        return self.manifest.get("extra", {}).get("calibration")
+
+
+def _check_device(device: str) -> None:
+    if device == "cpu":
+        return
+    if device == "cuda" or device.startswith("cuda:"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA device is visible to torch here; build with --device cpu.")
+        return
+    raise UsageError(f"unknown --device {device!r}; use cpu, cuda or cuda:N.")
+
+
+def _validate(*, backend: str, max_batch_size: int, max_seq_len: int, max_draft_len: int, dtype: str,
+              device: str, threads: int | None, draft_quantize: str | None, proposer: str,
+              num_draft_tokens: int | None, tp: int, pp: int) -> None:
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    if max_batch_size < 1:
+        raise UsageError(f"--max-batch-size must be >= 1 (got {max_batch_size}).")
+    if max_seq_len < 16:
+        raise UsageError(f"--max-seq-len must be >= 16 (got {max_seq_len}); prompts and outputs share it.")
+    if not 1 <= max_draft_len <= MAX_DRAFT_LEN_LIMIT:
+        raise UsageError(f"--max-draft-len must be in 1..{MAX_DRAFT_LEN_LIMIT} (got {max_draft_len}); "
+                         "4-8 is the useful range.")
+    if num_draft_tokens is not None and not 0 <= num_draft_tokens <= max_draft_len:
+        raise UsageError(f"--num-draft-tokens {num_draft_tokens} must be in 0..--max-draft-len ({max_draft_len}); "
+                         "omit it to use the calibrated K.")
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
+    if proposer not in PROPOSERS:
+        raise UsageError(f"unknown --proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}.")
+    if backend != "embedded":
+        return
+    if draft_quantize is not None and draft_quantize not in DRAFT_QUANTIZATIONS:
+        raise UsageError(f"unknown --draft-quantize {draft_quantize!r}; choose one of "
+                         f"{', '.join(DRAFT_QUANTIZATIONS)} (or omit it).")
+    if threads is not None and not 1 <= threads <= (os.cpu_count() or 1):
+        raise UsageError(f"--threads {threads} is out of range; use 1..{os.cpu_count()} (this machine's cores) "
+                         "or omit it for torch's default.")
+    if tp != 1 or pp != 1:
+        raise UsageError(f"the embedded backend runs on one device: --tp/--pp must be 1 (got tp={tp}, pp={pp}). "
+                         "Use --backend trtllm for tensor/pipeline parallelism.")
+    _check_device(device)
+
+
+def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embedded", max_batch_size: int = 8,
+          max_seq_len: int = 1024, max_draft_len: int = 8, dtype: str = "float32", device: str = "cpu",
+          threads: int | None = None, draft_quantize: str | None = None, calibrate: bool = True,
+          proposer: str = "draft", num_draft_tokens: int | None = None, force: bool = False, dry_run: bool = False,
+          trtllm_version: str | None = None, max_input_len: int | None = None, max_num_tokens: int | None = None,
+          use_draft_logits: bool = False, tp: int = 1, pp: int = 1, container_tag: str | None = None,
+          progress: Callable[[str], None] | None = None) -> BuildResult:
+    """Build `<workdir>/engines/` from `<workdir>/checkpoints/` with the chosen backend.
+
+    `num_draft_tokens=None` makes the calibrated K the default K (embedded); `draft_quantize="int8"` stores the
+    draft as int8 weight-only (with a draft == target checkpoint this is the demo "int8 self-draft").
+    """
+    _validate(backend=backend, max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_draft_len=max_draft_len,
+              dtype=dtype, device=device, threads=threads, draft_quantize=draft_quantize, proposer=proposer,
+              num_draft_tokens=num_draft_tokens, tp=tp, pp=pp)
+    options: dict[str, Any] = {
+        "max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_draft_len": max_draft_len,
+        "dtype": dtype, "device": device, "threads": threads, "draft_quantize": draft_quantize,
+        "calibrate": calibrate, "proposer": proposer, "num_draft_tokens": num_draft_tokens,
+    }
+    if backend == "trtllm":
+        options.update({"trtllm_version": trtllm_version, "max_input_len": max_input_len,
+                        "max_num_tokens": max_num_tokens, "use_draft_logits": use_draft_logits,
+                        "tp": tp, "pp": pp, "container_tag": container_tag})
+        options = {k: v for k, v in options.items() if v is not None}
+    outcome = run_stage("build", backend=backend, workdir=Path(workdir), options=options, inputs={},
+                        upstream_stage="convert", force=force, dry_run=dry_run, progress=progress)
+    return BuildResult(out_dir=outcome.out_dir, manifest=outcome.manifest, skipped=outcome.skipped,
+                       seconds=outcome.seconds, plan=outcome.plan)

@@ -1,0 +1,232 @@
+"""The one client of a specbuild deployment (used by `infer`, `verify` and the load-test checks).
+
+Speaks the client contract (`specbuild.contract`) over Triton's KServe v2 API, to either backend:
+
+* `generate(...)`          HTTP `POST /v2/models/<m>/generate` (one response; stream=false)
+* `generate_stream(...)`   HTTP `POST /v2/models/<m>/generate_stream` (SSE; stream=true)
+* `grpc_stream(...)`       gRPC bidirectional streaming (tritonclient.grpc)
+
+Each returns a `Generation`: the text, the streamed pieces with their arrival times (seconds since
+the request was sent), and the perf metrics when `return_perf_metrics` was asked for. Server-side
+refusals raise `RequestError` carrying Triton's message.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from specbuild import contract
+from specbuild.errors import ServerError
+
+DEFAULT_HTTP = "http://127.0.0.1:8000"
+DEFAULT_GRPC = "127.0.0.1:8001"
+
+
+class RequestError(ServerError):
+    """The server refused or failed one request; `str(e)` holds Triton's message."""
+
+
+@dataclass
+class Generation:
+    text: str = ""
+    chunks: list[str] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)   # seconds since send, one per chunk
+    seconds: float = 0.0                                   # end to end
+    acceptance_rate: float | None = None
+    total_accepted_draft_tokens: int | None = None
+    total_draft_tokens: int | None = None
+    sent_at: float = 0.0                                   # time.perf_counter() at send
+
+    @property
+    def ttft(self) -> float | None:
+        return self.arrivals[0] if self.arrivals else None
+
+    def _absorb(self, out: dict[str, Any], t: float) -> None:
+        piece = out.get("text_output")
+        if isinstance(piece, list):
+            piece = "".join(str(p) for p in piece)
+        if piece:
+            self.chunks.append(piece)
+            self.arrivals.append(t)
+            self.text += piece
+        for k in contract.PERF_METRIC_OUTPUTS:
+            v = out.get(k)
+            if isinstance(v, list):
+                v = v[0] if v else None
+            if v is not None:
+                setattr(self, k, float(v) if k == "acceptance_rate" else int(v))
+
+
+def request_body(prompt: str, *, max_tokens: int = 64, stream: bool = False, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 end_id: int | None = None, stop_words: list[str] | None = None, min_tokens: int | None = None,
+                 num_draft_tokens: int | None = None, return_perf_metrics: bool = False,
+                 exclude_input_in_output: bool = True, proposer: str | None = None) -> dict[str, Any]:
+    """The contract tensors as a name -> value dict (None values are left out).
+
+    `proposer` ("draft" | "ngram") is an embedded-deployment extension, not part of the contract.
+    """
+    body = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream, "temperature": temperature,
+            "top_k": top_k, "top_p": top_p, "seed": seed, "end_id": end_id, "stop_words": stop_words,
+            "min_tokens": min_tokens, "num_draft_tokens": num_draft_tokens,
+            "return_perf_metrics": return_perf_metrics or None,
+            "exclude_input_in_output": exclude_input_in_output, "proposer": proposer}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _error_text(resp) -> str:
+    text = resp.text.strip()
+    if text.startswith("data:"):  # generate_stream refusals arrive as one SSE event
+        text = text[5:].strip()
+    try:
+        return json.loads(text).get("error", text)
+    except (ValueError, AttributeError):
+        return text
+
+
+class Client:
+    def __init__(self, url: str = DEFAULT_HTTP, grpc_url: str = DEFAULT_GRPC, model: str = contract.ENSEMBLE_MODEL,
+                 timeout: float = 300.0):
+        self.url, self.grpc_url, self.model, self.timeout = url.rstrip("/"), grpc_url, model, timeout
+
+    def _post(self, path: str, body: dict, stream: bool):
+        import httpx
+
+        url = f"{self.url}/v2/models/{self.model}/{path}"
+        return httpx.stream("POST", url, json=body, timeout=self.timeout) if stream else \
+            httpx.post(url, json=body, timeout=self.timeout)
+
+    def generate(self, prompt: str, **params: Any) -> Generation:
+        """One non-streaming request (HTTP /generate)."""
+        import httpx
+
+        gen = Generation(sent_at=time.perf_counter())
+        try:
+            resp = self._post("generate", request_body(prompt, stream=False, **params), stream=False)
+        except httpx.HTTPError as e:
+            raise ServerError(f"cannot reach {self.url}: {e}; is the server running (`specbuild status`)?") from e
+        if resp.status_code != 200:
+            raise RequestError(f"{self.model}: HTTP {resp.status_code}: {_error_text(resp)}")
+        gen._absorb(resp.json(), time.perf_counter() - gen.sent_at)
+        gen.seconds = time.perf_counter() - gen.sent_at
+        return gen
+
+    def generate_stream(self, prompt: str, on_chunk: Callable[[str], None] | None = None,
+                        **params: Any) -> Generation:
+        """One streaming request over HTTP SSE; `on_chunk` sees every piece as it arrives."""
+        import httpx
+
+        gen = Generation(sent_at=time.perf_counter())
+        try:
+            with self._post("generate_stream", request_body(prompt, stream=True, **params), stream=True) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise RequestError(f"{self.model}: HTTP {resp.status_code}: {_error_text(resp)}")
+                for line in resp.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    event = json.loads(line[5:].strip())
+                    if "error" in event:
+                        raise RequestError(f"{self.model}: {event['error']}")
+                    n = len(gen.chunks)
+                    gen._absorb(event, time.perf_counter() - gen.sent_at)
+                    if on_chunk and len(gen.chunks) > n:
+                        on_chunk(gen.chunks[-1])
+        except httpx.HTTPError as e:
+            raise ServerError(f"cannot reach {self.url}: {e}; is the server running (`specbuild status`)?") from e
+        gen.seconds = time.perf_counter() - gen.sent_at
+        return gen
+
+    def grpc_stream(self, prompt: str, on_chunk: Callable[[str], None] | None = None,
+                    stream: bool = True, cancel_after: int | None = None, **params: Any) -> Generation:
+        """One request over gRPC streaming. `cancel_after=n` cancels it after n pieces (tests, Ctrl-C)."""
+        import tritonclient.grpc as grpcclient
+
+        body = request_body(prompt, stream=stream, **params)
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        gen = Generation()
+        try:
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            gen.sent_at = time.perf_counter()
+            client.async_stream_infer(self.model, grpc_inputs(body), enable_empty_final_response=True)
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    result, error = results.get(timeout=max(0.01, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise ServerError(f"no response from {self.grpc_url} within {self.timeout:.0f}s") from None
+                if error is not None:
+                    raise RequestError(f"{self.model}: {error.message() if hasattr(error, 'message') else error}")
+                t = time.perf_counter() - gen.sent_at
+                out = {}
+                for name in ("text_output", *contract.PERF_METRIC_OUTPUTS):
+                    arr = result.as_numpy(name)
+                    if arr is not None:
+                        flat = arr.reshape(-1)
+                        out[name] = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in flat]
+                n = len(gen.chunks)
+                gen._absorb(out, t)
+                if on_chunk and len(gen.chunks) > n:
+                    on_chunk(gen.chunks[-1])
+                final = result.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
+                if cancel_after is not None and len(gen.chunks) >= cancel_after:
+                    client.stop_stream(cancel_requests=True)
+                    break
+        finally:
+            client.stop_stream()
+            client.close()
+        gen.seconds = time.perf_counter() - gen.sent_at
+        return gen
+
+    def metrics(self, metrics_url: str) -> dict[str, float]:
+        import httpx
+
+        return parse_metrics(httpx.get(metrics_url, timeout=10).text)
+
+
+def grpc_inputs(body: dict[str, Any]) -> list:
+    """tritonclient.grpc InferInputs with the contract's dtypes and a batch dimension of 1."""
+    import tritonclient.grpc as grpcclient
+
+    np_types = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
+    specs = {t.name: t for t in contract.CLIENT_INPUTS}
+    inputs = []
+    for name, value in body.items():
+        dtype = specs[name].datatype if name in specs else "BYTES" if isinstance(value, str) else \
+            "BOOL" if isinstance(value, bool) else "INT32" if isinstance(value, int) else "FP32"
+        values = value if isinstance(value, list) else [value]
+        if dtype == "BYTES":
+            values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+        arr = np.array([values], dtype=np_types[dtype])
+        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    return inputs
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format -> {'name{labels}': value} (labels as printed by Triton)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric(metrics: dict[str, float], name: str) -> float:
+    """Sum of every series of `name` (any labels); 0.0 if absent."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))

@@ -1,0 +1,345 @@
+"""`tune`: sweep K (num_draft_tokens) and the proposer per traffic profile with short load runs, pick the best.
+
+    from specbuild.tune import TuneConfig, tune
+    result = tune(TuneConfig(workdir=Path("work"), profiles=("chat", "batch"), ks=(0, 2, 4), duration=15))
+    result["profiles"]["chat"]["winner"]        # e.g. {"label": "k=4/draft", "k": 4, "proposer": "draft"}
+
+Every setting is one short `specbuild.loadtest.loadtest(...)` run (Locust, real traffic) against the
+deployment's speculative model. Scores per profile: chat = median TPOT (lower is better; tie within 1%
+-> median e2e), batch = output tokens/s (higher is better; tie -> median e2e). A setting with a failed
+request cannot win. K=0 is the baseline (speculation off); with K=0 the proposer does not matter, so it is
+measured once. The proposer is swept only when the deployment's model declares an optional `proposer`
+input; otherwise K alone is swept (the deployment's default proposer) and tune.json says so.
+
+Everything that can be refused is refused before any load: unknown profile, bad K list, K above the
+engine's max_draft_len, unknown proposer, server down, model missing, --apply without an embedded
+repository. Output: `<out>/tune.json`, `<out>/tune.md`, `<out>/runs/<profile>/<setting>/` (each run's
+load-test report), written atomically. With `apply`, the chosen default goes into the engine model's
+config.pbtxt (`apply_tuned_defaults`); the server must be restarted to pick it up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from specbuild import __version__
+from specbuild.contract import SPECULATIVE_MODEL
+from specbuild.errors import ManifestError, ServerError, SpecbuildError, UsageError
+from specbuild.manifest import MANIFEST, Manifest, atomic_write_text, stage_output, write_manifest
+from specbuild.tune_score import (TIE_TOLERANCE, Setting, choose_default, choose_winner, cell_row, gain_vs_baseline,
+                                  objective_for, per_profile_winners, render_markdown)
+
+PROPOSERS = ("draft", "ngram")          # = specbuild.engines.embedded.engine.PROPOSERS (no torch import here)
+DEFAULT_KS = (0, 1, 2, 4, 6)
+ENGINE_MODEL = "tensorrt_llm"           # the embedded deployment's engine model (holds the engine's params)
+PARAM_K, PARAM_PROPOSER, PARAM_PROFILES = "default_num_draft_tokens", "default_proposer", "tuned_profiles"
+
+
+class TuneFailed(SpecbuildError):
+    """No setting of some profile completed without errors; tune.json was written."""
+
+    exit_code = 3
+
+
+def parse_k_list(text: str) -> tuple[int, ...]:
+    """`"0,2,4"` -> (0, 2, 4); refuses non-integers, negatives and duplicates."""
+    ks = []
+    for raw in str(text).split(","):
+        raw = raw.strip()
+        try:
+            ks.append(int(raw))
+        except ValueError:
+            raise UsageError(f"--k {text!r}: {raw!r} is not an integer; pass e.g. --k 0,1,2,4 "
+                             "(0 = speculation off).") from None
+    return tuple(ks)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    workdir: Path = Path("specbuild-work")
+    profiles: tuple[str, ...] = ("chat", "batch")
+    ks: tuple[int, ...] | None = None       # None: DEFAULT_KS up to the engine's max_draft_len
+    proposers: tuple[str, ...] = PROPOSERS
+    url: str | None = None                  # None: the server started from --workdir, else 127.0.0.1:8000
+    metrics_url: str | None = None
+    tokenizer: str | None = None
+    model: str = SPECULATIVE_MODEL
+    duration: float = 15.0
+    users: int | None = None
+    max_tokens: int | None = None
+    apply: bool = False
+    out: Path | None = None                 # None: <workdir>/tune
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.profiles or len(set(self.profiles)) != len(self.profiles):
+            raise UsageError(f"profiles {list(self.profiles)}: give each of --profile chat / batch once.")
+        if self.ks is not None:
+            if any(k < 0 for k in self.ks):
+                raise UsageError(f"--k {list(self.ks)} has negative values; K is a draft length >= 0.")
+            if len(set(self.ks)) != len(self.ks):
+                raise UsageError(f"--k {list(self.ks)} repeats a value; list each K once.")
+            if not any(k > 0 for k in self.ks):
+                raise UsageError(f"--k {list(self.ks)} has no K > 0: nothing to tune; e.g. --k 0,2,4.")
+        bad = [p for p in self.proposers if p not in PROPOSERS]
+        if bad or not self.proposers or len(set(self.proposers)) != len(self.proposers):
+            raise UsageError(f"--proposer {list(self.proposers)}: give one or more of {PROPOSERS}, each once.")
+        for name in ("duration", "users", "max_tokens"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {v}.")
+
+
+def engine_facts(workdir: Path) -> dict[str, Any]:
+    """max_draft_len, default K / proposer and whether a draft exists, from `<workdir>/engines/` if built."""
+    for name in ("engine_config.json", "engine.json"):
+        path = Path(workdir) / "engines" / name
+        if path.is_file():
+            try:
+                cfg = json.loads(path.read_text())
+            except ValueError as e:
+                raise ManifestError(f"{path} is not valid JSON ({e}); rebuild with `specbuild build --force`.") from e
+            return {"source": str(path), "max_draft_len": cfg.get("max_draft_len"),
+                    "default_num_draft_tokens": cfg.get("default_num_draft_tokens"),
+                    "default_proposer": cfg.get("default_proposer"), "has_draft": bool(cfg.get("draft", True))}
+    return {"source": None, "max_draft_len": None}
+
+
+def sweep_ks(cfg_ks: tuple[int, ...] | None, max_draft_len: int | None) -> tuple[int, ...]:
+    if cfg_ks is None:
+        ks = tuple(k for k in DEFAULT_KS if max_draft_len is None or k <= max_draft_len)
+        if len(ks) < 2:
+            raise UsageError(f"the deployment's max_draft_len is {max_draft_len}: no K > 0 to tune; rebuild with "
+                             "`specbuild build --max-draft-len 4` (and deploy again).")
+        return ks
+    if max_draft_len is not None and max(cfg_ks) > max_draft_len:
+        raise UsageError(f"--k {list(cfg_ks)}: K={max(cfg_ks)} is above the deployment's max_draft_len "
+                         f"{max_draft_len}; drop it or rebuild with `specbuild build --max-draft-len "
+                         f"{max(cfg_ks)}` (and deploy again).")
+    return tuple(cfg_ks)
+
+
+def plan_settings(ks: tuple[int, ...], proposers: tuple[str, ...] | None) -> list[Setting]:
+    """K=0 once (baseline); every K>0 per proposer (proposers=None: the deployment's default only)."""
+    out = [Setting(0, None)] if 0 in ks else []
+    for k in (k for k in ks if k > 0):
+        out += [Setting(k, p) for p in proposers] if proposers else [Setting(k, None)]
+    return out
+
+
+def resolve_server(cfg: TuneConfig) -> tuple[str, str | None]:
+    """(HTTP URL, metrics URL): --url, else the server `specbuild serve` started from --workdir, else :8000."""
+    if cfg.url:
+        return cfg.url.rstrip("/"), cfg.metrics_url
+    from specbuild.serve import read_state
+
+    info = read_state(cfg.workdir)
+    if info is not None:
+        return info.http_url, cfg.metrics_url if cfg.metrics_url is not None else info.metrics_url
+    return "http://127.0.0.1:8000", cfg.metrics_url
+
+
+def model_config_inputs(url: str, model: str, timeout: float = 10.0) -> list[str]:
+    """Input names the running model declares (GET /v2/models/<model>/config)."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"{url}/v2/models/{model}/config", timeout=timeout)
+    except httpx.HTTPError as e:
+        raise ServerError(f"no Triton server answers at {url} ({e}); start it with `specbuild serve "
+                          "--background` or pass the right --url.") from e
+    if resp.status_code != 200:
+        return []
+    return [i["name"] for i in resp.json().get("input", [])]
+
+
+def tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None, show_bar: bool = False) -> dict[str, Any]:
+    """Sweep, score, write `<out>/tune.{json,md}` (and apply with cfg.apply). Returns the result dict."""
+    from tqdm import tqdm
+
+    from specbuild.loadtest import LoadtestConfig, LoadtestInterrupted, loadtest, resolve_tokenizer
+    from specbuild.loadtests import target
+    from specbuild.loadtests.profiles import load_profile
+
+    say = progress or (lambda msg: None)
+    workdir = Path(cfg.workdir)
+    out_dir = Path(cfg.out) if cfg.out else workdir / "tune"
+    # 1. everything checkable without the server
+    profiles = [load_profile(p).with_overrides(users=cfg.users, duration=cfg.duration, max_tokens=cfg.max_tokens)
+                for p in cfg.profiles]
+    engine = engine_facts(workdir)
+    ks = sweep_ks(cfg.ks, engine["max_draft_len"])
+    tokenizer = str(resolve_tokenizer(cfg.tokenizer, workdir))
+    repo_dir = workdir / "model_repository"
+    if cfg.apply:
+        read_engine_model_config(repo_dir)   # refuse now, not after minutes of load
+    # 2. the server: up, model there; does the model let the request choose the proposer?
+    url, metrics_url = resolve_server(cfg)
+    target.preflight(url, cfg.model)
+    declares_proposer = "proposer" in model_config_inputs(url, cfg.model)
+    proposers: tuple[str, ...] | None = cfg.proposers
+    note = None
+    if not declares_proposer:
+        proposers = None
+        note = (f"model {cfg.model!r} does not declare the optional `proposer` input: K swept with the "
+                f"deployment's default proposer ({engine.get('default_proposer') or 'unknown'}) only.")
+    elif engine.get("has_draft") is False and "draft" in proposers:
+        proposers = tuple(p for p in proposers if p != "draft") or None
+        note = "the engine has no draft model: the draft proposer was not swept."
+    if note:
+        say(note)
+    settings = plan_settings(ks, proposers)
+    for profile in profiles:   # every setting's exact fields, once, before any load
+        for s in settings:
+            target.smoke_request(url, cfg.model, {**s.request_fields(), "stream": profile.stream}, profile.stream)
+    result: dict[str, Any] = {
+        "schema": 1, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": url,
+        "model": cfg.model, "tokenizer": tokenizer, "engine": engine,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpu_count": os.cpu_count(), "specbuild": __version__, "host": platform.node()},
+        "sweep": {"k": list(ks), "proposers": list(proposers) if proposers else None,
+                  "proposer_swept": proposers is not None, "note": note, "settings": [s.label for s in settings],
+                  "duration_s": cfg.duration, "users": cfg.users, "max_tokens": cfg.max_tokens,
+                  "tie_tolerance": TIE_TOLERANCE},
+        "profiles": {},
+    }
+    # 3. the load: one short loadtest per profile x setting, into a temp dir renamed into place
+    apply_error = None
+    interrupted = False
+    with stage_output(out_dir) as tmp:
+        bar = tqdm(total=len(profiles) * len(settings), desc="tune", unit="run", disable=not show_bar)
+        for profile in profiles:
+            objective = objective_for(profile)
+            rows: list[dict[str, Any]] = []
+            try:
+                for s in settings:
+                    bar.set_postfix_str(f"{profile.name} {s.label}")
+                    run_out = tmp / "runs" / profile.name / s.slug
+                    rep = loadtest(LoadtestConfig(
+                        profiles=(str(profile.source or profile.name),), url=url, metrics_url=metrics_url,
+                        model=cfg.model, tokenizer=tokenizer, workdir=workdir, out=run_out, users=profile.users,
+                        duration=profile.duration, max_tokens=profile.max_tokens, seed=cfg.seed,
+                        extra=s.request_fields()), progress=lambda m: say(f"  {m}"))
+                    rows.append({**cell_row(s, rep["cells"][0]),
+                                 "report": str(Path("runs") / profile.name / s.slug / "report.md")})
+                    bar.update(1)
+            except (LoadtestInterrupted, KeyboardInterrupt):
+                interrupted = True   # keep what was measured; the interrupted run itself is dropped
+            winner = choose_winner(rows, objective)
+            result["profiles"][profile.name] = {
+                "objective": objective.__dict__, "profile": profile.to_dict(), "settings": rows,
+                "baseline": "k=0" if 0 in ks else None,
+                "winner": None if winner is None else {k: winner[k] for k in ("label", "k", "proposer", "score")},
+                "gain_vs_baseline": gain_vs_baseline(rows, winner, objective)}
+            if interrupted:
+                break
+        bar.close()
+        result["default"] = None if interrupted else choose_default(result["profiles"])
+        result["applied"] = None
+        if cfg.apply and result["default"]:
+            d = result["default"]
+            try:
+                result["applied"] = apply_tuned_defaults(repo_dir, d["k"], d["proposer"], per_profile_winners(result))
+            except SpecbuildError as e:
+                apply_error = e
+        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        failed = [n for n, p in result["profiles"].items() if p["winner"] is None]
+        result["status"] = "interrupted" if interrupted else "no valid setting" if failed else "ok"
+        (tmp / "tune.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (tmp / "tune.md").write_text(render_markdown(result))
+        write_manifest(tmp, Manifest(stage="tune", inputs={"url": url, "model": cfg.model},
+                                     options={k: str(v) for k, v in cfg.__dict__.items()},
+                                     outputs={"json": "tune.json", "md": "tune.md"}))
+    say(f"tune report: {out_dir / 'tune.md'}")
+    if interrupted:
+        raise LoadtestInterrupted(f"interrupted: nothing was applied; the runs finished so far are in "
+                                  f"{out_dir / 'tune.md'}.")
+    if apply_error:
+        raise apply_error
+    if failed:
+        raise TuneFailed(f"no setting of profile(s) {failed} completed without errors (see {out_dir / 'tune.md'}); "
+                         "check the server log, or lower --users / --max-tokens.")
+    return result
+
+
+# --- writing the tuned default into the deployment ---------------------------------------------------
+
+def read_engine_model_config(repo_dir: Path):
+    """Parse `<repo>/tensorrt_llm/config.pbtxt` of an embedded deployment into a ModelConfig protobuf."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    repo_dir = Path(repo_dir)
+    manifest = repo_dir / MANIFEST
+    if not manifest.is_file():
+        raise ManifestError(f"{repo_dir} has no {MANIFEST}: run `specbuild deploy` before `tune --apply`.")
+    backend = json.loads(manifest.read_text()).get("options", {}).get("backend")
+    if backend != "embedded":
+        raise UsageError(f"{repo_dir} is a {backend!r} deployment; --apply writes defaults for the embedded "
+                         "engine only (with TensorRT-LLM, send num_draft_tokens per request).")
+    path = repo_dir / ENGINE_MODEL / "config.pbtxt"
+    if not path.is_file():
+        raise ManifestError(f"{path} is missing: the repository is incomplete; run `specbuild deploy --force`.")
+    cfg = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(path.read_text(), cfg)
+    except text_format.ParseError as e:
+        raise ManifestError(f"{path} is not a valid Triton config ({e}); run `specbuild deploy --force`.") from e
+    return cfg
+
+
+def apply_tuned_defaults(repo_dir: str | Path, k: int, proposer: str | None,
+                         per_profile: dict[str, Any]) -> dict[str, Any]:
+    """Set `default_num_draft_tokens`, `default_proposer` (if given) and `tuned_profiles` (JSON) in the
+    engine model's config.pbtxt: parsed with Triton's ModelConfig protobuf, edited, printed back and
+    re-parsed before an atomic write; recorded in the deploy manifest's `extra.tuned`. Returns what it did."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    repo_dir = Path(repo_dir)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise UsageError(f"default K must be an integer >= 0, got {k!r}.")
+    if proposer is not None and proposer not in PROPOSERS:
+        raise UsageError(f"proposer {proposer!r} is unknown; use one of {PROPOSERS}.")
+    max_len = engine_facts(repo_dir.parent)["max_draft_len"]
+    if max_len is not None and k > max_len:
+        raise UsageError(f"default K={k} is above the engine's max_draft_len {max_len}; pick K <= {max_len}.")
+    cfg = read_engine_model_config(repo_dir)
+    path = repo_dir / ENGINE_MODEL / "config.pbtxt"
+    old_text = path.read_text()
+    cfg.parameters[PARAM_K].string_value = str(k)
+    if proposer is not None:
+        cfg.parameters[PARAM_PROPOSER].string_value = proposer
+    elif PARAM_PROPOSER in cfg.parameters:
+        del cfg.parameters[PARAM_PROPOSER]
+    cfg.parameters[PARAM_PROFILES].string_value = json.dumps(per_profile, sort_keys=True)
+    header = list(itertools.takewhile(lambda ln: ln.startswith("#") and "specbuild tune" not in ln,
+                                      old_text.splitlines()))   # the template's leading comment block
+    text = "\n".join(header + [f"# defaults set by `specbuild tune --apply` on "
+                               f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+                               text_format.MessageToString(cfg)]) + "\n"
+    check = model_config_pb2.ModelConfig()
+    text_format.Parse(text, check)
+    if check != cfg:
+        raise ManifestError(f"internal error: the edited {path} does not parse back to the same config.")
+    manifest_path = repo_dir / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    tuned = {"default_num_draft_tokens": k, "default_proposer": proposer, "tuned_profiles": per_profile,
+             "config": str(path), "applied": time.time()}
+    manifest.setdefault("extra", {})["tuned"] = tuned
+    atomic_write_text(path, text)
+    try:
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=2, default=str) + "\n")
+    except BaseException:
+        atomic_write_text(path, old_text)
+        raise
+    workdir = repo_dir.parent
+    return {**tuned, "restart": f"specbuild stop --workdir {workdir} && specbuild serve --workdir {workdir} "
+                                "--background"}

@@ -1,0 +1,252 @@
+"""Adaptive K, the concurrency cut-off and the deliberately broken acceptance rule of the embedded engine.
+
+The policy (adaptive.py) is checked as pure functions; the engine on the tiny real checkpoints: adaptive K
+stays lossless, turns speculation off for an unrelated draft and drafts long for draft == target; the
+cut-off stops drafting while more sequences run; "unsafe-always-accept" drifts where "exact" does not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from specbuild.engines.embedded import Engine, EngineLimitError, SamplingParams
+from specbuild.engines.embedded.adaptive import (ADAPTIVE_K, AcceptanceTracker, AdaptivePolicy, CostModel,
+                                                 choose_k, cost_models, crossover_concurrency, fit_verify_curve,
+                                                 predicted_speedup, prior_alphas)
+from specbuild.engines.embedded.calibrate import predicted_speedup as calibrated_speedup
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+CALIBRATION = {"proposer": "draft", "t_target_s": 0.04, "t_draft_s": 0.012, "alpha": 0.9,
+               "t_verify_s": {"1": 0.046, "2": 0.048, "3": 0.050, "4": 0.052}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- the policy: pure functions ------------------------------------------------------------------
+def test_k0_scores_exactly_one_and_matches_the_calibration_formula():
+    cost = cost_models(CALIBRATION)["draft"]
+    assert predicted_speedup(0.7, 0, cost) == 1.0
+    for k in (1, 2, 4):
+        t_verify = 0.04 * (1 + cost.verify_overhead(k))
+        assert predicted_speedup(0.7, k, cost) == pytest.approx(
+            calibrated_speedup(0.7, k, t_target=0.04, t_draft=0.012, t_verify=t_verify))
+
+
+def test_high_alpha_drafts_long_low_alpha_turns_speculation_off():
+    cost = CostModel(cost_ratio=0.3, verify_intercept=0.1, verify_slope=0.05)
+    assert choose_k(0.1, cost, 8) == 0
+    assert choose_k(0.3, cost, 8) == 0
+    assert choose_k(0.9, cost, 8) == 5
+    assert choose_k(1.0, cost, 8) == 8
+    assert choose_k(0.99, cost, 3) == 3                        # capped by max_k
+    assert choose_k(0.99, cost, 0) == 0
+    free = CostModel(cost_ratio=0.0, verify_intercept=0.0, verify_slope=0.0)
+    assert choose_k(0.05, free, 6) == 6                        # free drafts always pay
+
+
+def test_choice_is_monotone_in_alpha_and_in_cost():
+    alphas = [i / 100 for i in range(101)]
+    for c in (0.0, 0.05, 0.3, 0.8):
+        cost = CostModel(cost_ratio=c, verify_intercept=0.2, verify_slope=0.02)
+        ks = [choose_k(a, cost, 8) for a in alphas]
+        assert ks == sorted(ks) and ks[0] == 0
+    for a in (0.5, 0.8, 0.95):
+        ks = [choose_k(a, CostModel(cost_ratio=c, verify_intercept=0.1, verify_slope=0.05), 8)
+              for c in (0.0, 0.1, 0.3, 0.6, 1.0, 2.0)]
+        assert ks == sorted(ks, reverse=True)
+
+
+def test_verify_curve_fit_and_calibration_reading():
+    assert fit_verify_curve(1.0, {1: 1.2, 2: 1.3, 3: 1.4}) == pytest.approx((0.1, 0.1))
+    a, b = fit_verify_curve(1.0, {1: 1.9, 2: 1.5, 3: 1.5, 4: 1.4})     # noise: never a falling curve
+    assert b == 0.0 and a == pytest.approx(0.575)
+    models = cost_models(CALIBRATION)
+    assert models["draft"].cost_ratio == pytest.approx(0.3) and models["draft"].source == "calibration"
+    assert models["ngram"].cost_ratio == 0.0
+    assert models["draft"].verify_overhead(2) == pytest.approx(0.2)
+    # An n-gram calibration says nothing about a draft model's cost: the default c stays.
+    ngram_cal = {**CALIBRATION, "proposer": "ngram", "t_draft_s": 0.0}
+    assert cost_models(ngram_cal)["draft"].cost_ratio == CostModel().cost_ratio
+    assert cost_models(None)["draft"] == CostModel() and cost_models({})["ngram"].cost_ratio == 0.0
+    assert prior_alphas(CALIBRATION) == {"draft": 0.9, "ngram": AdaptivePolicy().prior_alpha}
+
+
+def test_tracker_counts_tested_drafts_only_and_probes_when_off():
+    tr = AcceptanceTracker(0.5, AdaptivePolicy(weight=0.5, probe_every=3))
+    tr.observe(4, 4)                                           # 4 successes, no failure
+    assert tr.alpha == pytest.approx(1 - 0.5 ** 5)
+    tr.alpha = 0.5
+    tr.observe(4, 1)                                           # 1 success, 1 failure; d3, d4 never tested
+    assert tr.alpha == pytest.approx(0.375)
+    tr.observe(0, 0)
+    assert tr.alpha == pytest.approx(0.375)
+    tr.alpha = 0.0
+    cost = CostModel()
+    assert [tr.next_k(cost, 4) for _ in range(7)] == [0, 0, 1, 0, 0, 1, 0]
+    assert tr.history == [0, 0, 1, 0, 0, 1, 0]
+
+
+def test_crossover_is_the_first_batch_size_where_drafting_loses():
+    assert crossover_concurrency({8: 0.7, 1: 1.4, 4: 0.9, 2: 1.2}) == 4
+    assert crossover_concurrency({1: 0.8, 2: 1.1}) == 1
+    assert crossover_concurrency({1: 1.5, 8: 1.0}) is None
+
+
+# ---- the engine on tiny real checkpoints ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def eng(tiny_llama, tiny_llama_draft):
+    """Target with an unrelated draft; adaptive by default."""
+    return Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=128,
+                                   adaptive_k=True)
+
+
+@pytest.fixture(scope="module")
+def eng_self(tiny_llama):
+    return Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def plain(eng):
+    return {p: eng.generate(p, GREEDY, num_draft_tokens=0) for p in PROMPTS}
+
+
+def _check_stats(st):
+    """Counts with K varying between steps: every drafted token counted once, at its position."""
+    assert sum(k * n for k, n in st.k_counts.items()) == st.num_draft_tokens
+    assert sum(n for k, n in st.k_counts.items() if k > 0) == st.num_drafts
+    assert st.drafted_per_pos[:1] == ([st.num_drafts] if st.num_drafts else [])
+    assert sum(st.drafted_per_pos) == st.num_draft_tokens
+    assert sum(st.accepted_per_pos) == st.num_accepted_tokens
+    assert st.drafted_per_pos == sorted(st.drafted_per_pos, reverse=True)
+
+
+def test_adaptive_is_lossless_and_turns_an_unrelated_draft_off(eng, plain, monkeypatch):
+    trackers = []
+    make = eng._make_sequence
+
+    def recording(*a, **kw):                                  # keep each request's per-step K history
+        seq = make(*a, **kw)
+        trackers.append(seq.adaptive)
+        return seq
+    monkeypatch.setattr(eng, "_make_sequence", recording)
+    steps = zeros = 0
+    for p in PROMPTS:
+        eng.scheduler.alpha_prior = prior_alphas(None)        # every request starts from the same prior
+        out = eng.generate(p, GREEDY)                                      # engine default: adaptive
+        history = trackers[-1].history
+        ngram = eng.generate(p, GREEDY, num_draft_tokens=ADAPTIVE_K, proposer="ngram")
+        assert out.token_ids == plain[p].token_ids and out.text == plain[p].text
+        assert ngram.token_ids == plain[p].token_ids
+        _check_stats(out.stats)
+        _check_stats(ngram.stats)
+        assert history[0] > 0 and 0 in history[:8]           # optimistic start, off after a few rejections
+        assert sum(history) == out.stats.num_draft_tokens
+        steps += len(history)
+        zeros += history.count(0)
+    # Off for most steps; the rest are probes and stretches where the tiny random models repeat themselves
+    # (there the unrelated draft is right, and adaptive K rightly drafts again).
+    assert zeros >= 0.6 * steps
+
+
+def test_adaptive_drafts_long_when_the_draft_is_the_target(eng_self, plain):
+    for p in PROMPTS:
+        out = eng_self.generate(p, GREEDY, num_draft_tokens=-1)
+        assert out.token_ids == plain[p].token_ids
+        st = out.stats
+        _check_stats(st)
+        assert st.acceptance_rate == 1.0 and st.k_counts.get(0, 0) == 0
+        assert max(st.k_counts) == 8                          # climbs to max_draft_len
+        assert st.num_draft_tokens / sum(st.k_counts.values()) > 3
+
+
+def test_new_requests_start_from_what_finished_ones_measured(tiny_llama, plain):
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
+    assert eng.scheduler.alpha_prior["draft"] == AdaptivePolicy().prior_alpha
+    first = eng.generate(PROMPTS[0], GREEDY, num_draft_tokens=-1)
+    assert eng.scheduler.alpha_prior["draft"] > AdaptivePolicy().prior_alpha      # all accepted: raised
+    assert eng.scheduler.alpha_prior["ngram"] == AdaptivePolicy().prior_alpha      # other proposer untouched
+    second = eng.generate(PROMPTS[1], GREEDY, num_draft_tokens=-1)
+    assert second.token_ids == plain[PROMPTS[1]].token_ids
+    # A higher starting estimate drafts more in the first step.
+    assert min(second.stats.k_counts) > min(first.stats.k_counts)
+    eng.generate(PROMPTS[2], GREEDY, num_draft_tokens=3)                           # fixed K: no effect
+    before = dict(eng.scheduler.alpha_prior)
+    eng.generate(PROMPTS[2], GREEDY, num_draft_tokens=3)
+    assert eng.scheduler.alpha_prior == before
+    eng.update_calibration({**CALIBRATION, "alpha": 0.2})
+    assert eng.scheduler.alpha_prior["draft"] == 0.2 and eng.scheduler.costs["draft"].cost_ratio == pytest.approx(0.3)
+
+
+def test_fixed_k_still_works_on_an_adaptive_engine(eng, plain):
+    out = eng.generate(PROMPTS[0], GREEDY, num_draft_tokens=3)
+    assert out.token_ids == plain[PROMPTS[0]].token_ids
+    kc = out.stats.k_counts                                     # 3, or less near max_tokens
+    assert max(kc) == 3 and kc[3] >= sum(kc.values()) - 3
+
+
+def test_concurrency_cutoff_stops_drafting_while_more_sequences_run(tiny_llama, plain):
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128,
+                                  spec_max_concurrency=1)
+    lens = [4, 4, 20]
+    outs = eng.generate_batch([(p, SamplingParams(max_tokens=n, ignore_eos=True), 3) for p, n in zip(PROMPTS, lens)])
+    for out, p, n in zip(outs, PROMPTS, lens):
+        assert out.token_ids == plain[p].token_ids[:n]
+    short, long_ = outs[0].stats, outs[2].stats
+    # Three running: plain steps only (the 4-token requests take 4 steps), then the last one drafts.
+    assert short.num_draft_tokens == 0 and short.k_counts == {0: 4} and short.cutoff_steps == 4
+    assert long_.k_counts[0] == 4 and long_.cutoff_steps == 4
+    assert long_.num_draft_tokens > 0 and long_.acceptance_rate == 1.0
+    _check_stats(long_)
+    assert eng.metrics()["spec_cutoff_steps_total"] == 4
+    # Without the cut-off every request drafts from its first step.
+    free = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
+    outs = free.generate_batch([(p, SamplingParams(max_tokens=n, ignore_eos=True), 3) for p, n in zip(PROMPTS, lens)])
+    assert all(o.stats.k_counts.get(0, 0) == 0 and o.stats.cutoff_steps == 0 for o in outs)
+
+
+def test_unsafe_always_accept_drifts_and_exact_does_not(tiny_llama, tiny_llama_draft, plain, caplog):
+    with caplog.at_level(logging.WARNING):
+        bad = Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=128,
+                                      acceptance_rule="unsafe-always-accept")
+    assert "ACCEPTED WITHOUT VERIFICATION" in caplog.text
+    good = Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=128)
+    drifted = 0
+    for p in PROMPTS:
+        broken = bad.generate(p, GREEDY, num_draft_tokens=3)
+        assert broken.stats.acceptance_rate == 1.0            # what a verifier without K=0 would believe
+        drifted += broken.token_ids != plain[p].token_ids
+        assert good.generate(p, GREEDY, num_draft_tokens=3).token_ids == plain[p].token_ids
+        assert bad.generate(p, GREEDY, num_draft_tokens=0).token_ids == plain[p].token_ids   # K=0: no drafts
+    assert drifted == len(PROMPTS)
+
+
+def test_build_dir_keys_kwargs_override_and_bad_values(tmp_path, tiny_llama, tiny_llama_draft):
+    cfg = {"target": str(tiny_llama), "draft": str(tiny_llama_draft), "max_batch_size": 2, "max_seq_len": 64,
+           "max_draft_len": 4, "adaptive_k": True, "spec_max_concurrency": 2,
+           "acceptance_rule": "unsafe-always-accept", "calibration": CALIBRATION}
+    (tmp_path / "engine_config.json").write_text(json.dumps(cfg))
+    eng = Engine.from_build_dir(tmp_path)
+    assert (eng.config.adaptive_k, eng.config.spec_max_concurrency, eng.config.acceptance_rule) == \
+        (True, 2, "unsafe-always-accept")
+    assert eng.scheduler.costs["draft"].cost_ratio == pytest.approx(0.3)
+    eng = Engine.from_build_dir(tmp_path, adaptive_k=False, spec_max_concurrency=None, acceptance_rule="exact")
+    assert (eng.config.adaptive_k, eng.config.spec_max_concurrency, eng.config.acceptance_rule) == \
+        (False, None, "exact")
+    with pytest.raises(EngineLimitError, match="acceptance_rule 'sloppy'"):
+        Engine.from_build_dir(tmp_path, acceptance_rule="sloppy")
+    with pytest.raises(EngineLimitError, match="spec_max_concurrency=-1"):
+        Engine.from_build_dir(tmp_path, spec_max_concurrency=-1)
+    with pytest.raises(EngineLimitError, match="no draft model"):
+        Engine.from_checkpoints(tiny_llama, max_seq_len=64).generate("x", GREEDY, num_draft_tokens=-1,
+                                                                     proposer="draft")

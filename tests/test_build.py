@@ -1,0 +1,182 @@
+"""`specbuild build --backend embedded`: engine directory, calibration, no-op re-runs, the int8 draft, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specbuild.build import build
+from specbuild.cli.main import cli
+from specbuild.convert import convert
+from specbuild.engines.embedded.calibrate import (best_k, estimate_alpha, expected_tokens_per_round,
+                                                  predicted_speedup)
+from specbuild.errors import ManifestError, UsageError
+
+SMALL = dict(max_batch_size=2, max_seq_len=128, max_draft_len=4)
+
+
+@pytest.fixture(scope="module")
+def pair_workdir(tmp_path_factory, tiny_llama, tiny_llama_draft):
+    """Converted (tiny target, unrelated tiny draft) + a calibrated build."""
+    wd = tmp_path_factory.mktemp("build-pair")
+    convert(tiny_llama, tiny_llama_draft, workdir=wd)
+    result = build(workdir=wd, **SMALL)
+    return wd, result
+
+
+@pytest.fixture(scope="module")
+def self_draft_workdir(tmp_path_factory, tiny_llama):
+    """draft == target, stored as int8 weight-only: the recipe of the demo draft."""
+    wd = tmp_path_factory.mktemp("build-int8")
+    convert(tiny_llama, tiny_llama, workdir=wd)
+    result = build(workdir=wd, draft_quantize="int8", **SMALL)
+    return wd, result
+
+
+# ---- the speedup model ---------------------------------------------------------------------------
+
+def test_expected_tokens_per_round():
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_predicted_speedup_and_best_k():
+    # Paper form: t_verify = t_target, c = 0.1, a = 0.8, K = 4 -> (1 - .8^5) / (.2 * 1.4) = 2.4011
+    assert predicted_speedup(0.8, 4, t_target=1.0, t_draft=0.1, t_verify=1.0) == pytest.approx(2.4011, abs=1e-4)
+    assert predicted_speedup(0.8, 0, t_target=1.0, t_draft=0.1, t_verify=1.0) == 1.0
+    k, table = best_k(0.8, t_target=1.0, t_draft=0.1, t_verify={k: 1.0 for k in range(1, 9)})
+    assert k == max(table, key=table.get) and 3 <= k <= 6
+    # A draft as expensive as the target never pays: best is still a K, but below 1x.
+    k, table = best_k(0.5, t_target=1.0, t_draft=1.0, t_verify={1: 1.2, 2: 1.3})
+    assert k == 1 and table[1] < 1.0
+
+
+def test_estimate_alpha_counts_only_tested_positions():
+    # K=3, rounds accepting 3, 0, 1 -> trials 3 + 2 + 1, successes 4
+    assert estimate_alpha([2, 1, 1], [3, 3, 3]) == pytest.approx(4 / 6)
+    assert estimate_alpha([5, 5], [5, 5]) == 1.0
+    assert estimate_alpha([0, 0], [4, 4]) == 0.0
+    assert estimate_alpha([], []) == 0.0
+
+
+# ---- the engine directory ------------------------------------------------------------------------
+
+def test_build_writes_engine_dir_and_sane_calibration(pair_workdir):
+    wd, result = pair_workdir
+    assert not result.skipped
+    out = wd / "engines"
+    cfg = json.loads((out / "engine_config.json").read_text())
+    assert cfg["max_batch_size"] == 2 and cfg["max_seq_len"] == 128 and cfg["max_draft_len"] == 4
+    assert cfg["dtype"] == "float32" and cfg["device"] == "cpu" and cfg["draft"] == "draft"
+    assert cfg["draft_format"] == "hf-safetensors" and cfg["default_proposer"] == "draft"
+    for rel in ("target/model.safetensors", "target/config.json", "draft/model.safetensors",
+                "tokenizer/tokenizer.json", "manifest.json"):
+        assert (out / rel).is_file(), rel
+    cal = result.calibration
+    assert cal == cfg["calibration"] == result.manifest["extra"]["calibration"]
+    assert 0.0 <= cal["alpha"] <= 1.0 and 0.0 <= cal["acceptance_rate"] <= 1.0
+    assert set(cal["alpha_by_kind"]) == {"chat", "code", "summarization"}
+    assert 1 <= cal["recommended_k"] <= 4
+    assert cfg["default_num_draft_tokens"] == cal["recommended_k"]
+    assert cal["t_target_s"] > 0 and cal["t_draft_s"] > 0
+    assert sorted(cal["t_verify_s"]) == ["1", "2", "3", "4"] and min(cal["t_verify_s"].values()) > 0
+    assert cal["cost_ratio"] == pytest.approx(cal["t_draft_s"] / cal["t_target_s"])
+    best = max(cal["predicted_speedup"].values())
+    assert cal["predicted_speedup"][str(cal["recommended_k"])] == best
+    smoke = next(c for c in result.manifest["checks"] if c["name"] == "smoke-generation")
+    assert smoke["ok"] and smoke["speculative_equal"] and smoke["tokens"] == 8
+
+
+def test_rerun_is_noop_and_changed_option_rebuilds(pair_workdir):
+    wd, first = pair_workdir
+    cfg_path = wd / "engines" / "engine_config.json"
+    mtime = cfg_path.stat().st_mtime_ns
+    again = build(workdir=wd, **SMALL)
+    assert again.skipped and cfg_path.stat().st_mtime_ns == mtime
+    assert again.manifest["fingerprint"] == first.manifest["fingerprint"]
+    changed = build(workdir=wd, **{**SMALL, "max_batch_size": 3}, num_draft_tokens=2, calibrate=False)
+    assert not changed.skipped and changed.manifest["fingerprint"] != first.manifest["fingerprint"]
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["max_batch_size"] == 3 and cfg["default_num_draft_tokens"] == 2 and cfg["calibration"] is None
+
+
+def test_int8_self_draft_loads_and_generates(self_draft_workdir):
+    from specbuild.engines.embedded import Engine, SamplingParams
+    from specbuild.engines.embedded.quant import Int8Linear
+
+    wd, result = self_draft_workdir
+    out = wd / "engines"
+    cfg = json.loads((out / "engine_config.json").read_text())
+    assert cfg["draft_format"] == "int8-weight-only" and cfg["draft_quantize"] == "int8"
+    assert (out / "draft" / "model.int8.safetensors").is_file()
+    assert not (out / "draft" / "model.safetensors").exists()
+    assert result.manifest["outputs"]["draft"]["quantized_linears"] > 0
+    engine = Engine.from_build_dir(out)
+    assert engine.config.has_draft and engine.config.default_num_draft_tokens == cfg["default_num_draft_tokens"]
+    assert any(isinstance(m, Int8Linear) for m in engine.draft.modules())
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = engine.generate("The quick brown fox", params, num_draft_tokens=0)
+    spec = engine.generate("The quick brown fox", params, num_draft_tokens=3, proposer="draft")
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 12
+    assert spec.stats.num_draft_tokens > 0
+    # an int8 copy of the target agrees with it far more than an unrelated draft would
+    assert result.calibration["alpha"] >= 0.5
+
+
+def test_ngram_build_explicit_k_wins_over_calibration(tmp_path, tiny_llama, tiny_llama_draft):
+    convert(tiny_llama, tiny_llama_draft, workdir=tmp_path)
+    result = build(workdir=tmp_path, proposer="ngram", num_draft_tokens=3, **SMALL)
+    cfg = json.loads((tmp_path / "engines" / "engine_config.json").read_text())
+    assert cfg["draft"] is None and cfg["default_proposer"] == "ngram" and cfg["default_num_draft_tokens"] == 3
+    assert not (tmp_path / "engines" / "draft").exists()
+    cal = result.calibration
+    assert cal["proposer"] == "ngram" and cal["t_draft_s"] == 0.0 and 0.0 <= cal["alpha"] <= 1.0
+    assert 1 <= cal["recommended_k"] <= 4
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_draft_len": 0}, "--max-draft-len"),
+    ({"max_draft_len": 4, "num_draft_tokens": 5}, "--num-draft-tokens"),
+    ({"max_batch_size": 0}, "--max-batch-size"),
+    ({"max_seq_len": 4}, "--max-seq-len"),
+    ({"dtype": "int4"}, "--dtype"),
+    ({"proposer": "medusa"}, "--proposer"),
+    ({"draft_quantize": "int4"}, "--draft-quantize"),
+    ({"tp": 2}, "--tp/--pp"),
+    ({"device": "tpu"}, "--device"),
+    ({"threads": 0}, "--threads"),
+])
+def test_bad_options_are_refused_before_anything_is_written(tmp_path, kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        build(workdir=tmp_path, **kwargs)
+    assert not (tmp_path / "engines").exists()
+
+
+def test_build_without_convert_says_what_to_run(tmp_path):
+    with pytest.raises(ManifestError, match="specbuild convert"):
+        build(workdir=tmp_path)
+    assert not (tmp_path / "engines").exists()
+
+
+def test_cli_build_noop_dry_run_and_errors(pair_workdir):
+    wd, _ = pair_workdir
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["build", "--workdir", str(wd), "--max-batch-size", "3", "--max-seq-len", "128",
+                             "--max-draft-len", "4", "--num-draft-tokens", "2", "--no-calibrate"])
+    assert ok.exit_code == 0, ok.output
+    assert "up to date" in ok.output or "built" in ok.output
+    again = runner.invoke(cli, ["build", "--workdir", str(wd), "--max-batch-size", "3", "--max-seq-len", "128",
+                                "--max-draft-len", "4", "--num-draft-tokens", "2", "--no-calibrate"])
+    assert again.exit_code == 0 and "up to date" in again.output
+    dry = runner.invoke(cli, ["build", "--workdir", str(wd), "--draft-quantize", "int8", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "model.int8.safetensors" in dry.output and "engine_config.json" in dry.output
+    bad = runner.invoke(cli, ["build", "--workdir", str(wd), "--max-draft-len", "99"])
+    assert bad.exit_code == 2 and "--max-draft-len" in bad.output
+    missing = runner.invoke(cli, ["build", "--workdir", str(wd / "nowhere")])
+    assert missing.exit_code == 1 and "specbuild convert" in missing.output

@@ -1,0 +1,180 @@
+"""`specbuild deploy` (embedded): the rendered repository, its configs (Triton's protobuf), the stage
+behaviour (no-op, force, dry-run, refusals) and the request parsing of the engine model."""
+
+from __future__ import annotations
+
+import json
+import py_compile
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from specbuild import contract
+from specbuild.deploy import deploy
+from specbuild.engines.embedded.deploy import render
+from specbuild.errors import ManifestError, UsageError
+from specbuild.model_repository.embedded.request_params import BadRequest, Limits, parse_request, perf_metrics
+
+
+def parse(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_llama, tiny_llama_draft):
+    """A workdir with checkpoints/ and engines/ (no deploy yet)."""
+    from specbuild.build import build
+    from specbuild.convert import convert
+
+    wd = tmp_path_factory.mktemp("deploy")
+    convert(str(tiny_llama), str(tiny_llama_draft), workdir=wd)
+    build(workdir=wd, max_batch_size=4, max_seq_len=128, max_draft_len=4, calibrate=False)
+    return wd
+
+
+def test_rendered_configs_parse_and_keep_the_contract(tmp_path):
+    files = render(tmp_path / "engines", {"max_batch_size": 32, "device": "cpu", "threads": 2})
+    assert set(files) == {f"{m}/{f}" for m in ("tensorrt_llm", "ensemble", "tensorrt_llm_bls")
+                          for f in ("config.pbtxt", "1/model.py")}
+    for model in contract.CLIENT_MODELS:
+        cfg = parse(files[f"{model}/config.pbtxt"])
+        assert cfg.name == model and cfg.backend == "python" and cfg.max_batch_size == 32
+        assert cfg.model_transaction_policy.decoupled
+        assert contract.contract_mismatches(model, cfg.input, cfg.output) == []
+        names = {i.name for i in cfg.input}
+        assert ("num_draft_tokens" in names) == (model == contract.SPECULATIVE_MODEL)
+        required = {i.name for i in cfg.input if not i.optional}
+        assert required == {"text_input", "max_tokens"}
+        assert "min_length" in names  # GenAI-Perf sends it
+    engine = parse(files["tensorrt_llm/config.pbtxt"])
+    assert engine.model_transaction_policy.decoupled
+    assert [(g.count, g.kind) for g in engine.instance_group] == [(1, model_config_pb2.ModelInstanceGroup.KIND_CPU)]
+    assert all(i.optional for i in engine.input)
+    assert {"request_key", "abort", "num_draft_tokens"} <= {i.name for i in engine.input}
+    params = {k: v.string_value for k, v in engine.parameters.items()}
+    assert params == {"engine_dir": str((tmp_path / "engines").resolve()), "device": "cpu", "threads": "2"}
+    default = parse(render(tmp_path / "engines", {"max_batch_size": 8, "device": "", "threads": 0})
+                    ["tensorrt_llm/config.pbtxt"])
+    assert default.parameters["device"].string_value == ""  # the engine runs where it was built
+    for rel, text in files.items():
+        if rel.endswith(".py"):
+            path = tmp_path / rel.replace("/", "_")
+            path.write_text(text)
+            py_compile.compile(str(path), doraise=True)
+
+
+def test_deploy_stage(built):
+    out = deploy(workdir=built)
+    assert not out.skipped
+    repo = built / "model_repository"
+    assert out.out_dir == repo
+    for model in ("tensorrt_llm", "ensemble", "tensorrt_llm_bls"):
+        assert (repo / model / "config.pbtxt").is_file() and (repo / model / "1" / "model.py").is_file()
+    manifest = json.loads((repo / "manifest.json").read_text())
+    assert manifest["stage"] == "deploy" and manifest["options"]["backend"] == "embedded"
+    assert {c["name"] for c in manifest["checks"]} == {"config:tensorrt_llm", "config:ensemble",
+                                                       "config:tensorrt_llm_bls"}
+    engine = parse((repo / "tensorrt_llm" / "config.pbtxt").read_text())
+    assert engine.parameters["engine_dir"].string_value == str((built / "engines").resolve())
+    assert deploy(workdir=built).skipped                         # unchanged: no-op
+    assert not deploy(workdir=built, threads=2).skipped          # changed option: re-rendered
+    assert parse((repo / "tensorrt_llm" / "config.pbtxt").read_text()).parameters["threads"].string_value == "2"
+    assert not deploy(workdir=built, threads=2, force=True).skipped
+
+
+def test_deploy_dry_run_writes_nothing(built, tmp_path):
+    before = sorted(p.name for p in built.iterdir())
+    out = deploy(workdir=built, max_batch_size=8, dry_run=True)
+    rendered = "\n".join(s.render() for s in out.plan)
+    assert "--- write" in rendered and "tensorrt_llm/config.pbtxt" in rendered and "max_batch_size: 8" in rendered
+    assert sorted(p.name for p in built.iterdir()) == before
+
+
+def test_deploy_refusals(built, tmp_path):
+    with pytest.raises(ManifestError, match="specbuild build"):
+        deploy(workdir=tmp_path)
+    assert not (tmp_path / "model_repository").exists()
+    with pytest.raises(UsageError, match="--device"):
+        deploy(workdir=built, device="tpu", force=True)
+    with pytest.raises(UsageError, match="--max-batch-size"):
+        deploy(workdir=built, max_batch_size=0, force=True)
+    # the refused runs left the previous repository intact
+    assert (built / "model_repository" / "manifest.json").is_file()
+
+
+def test_deploy_cli(built):
+    from specbuild.cli.main import cli
+
+    runner = CliRunner()
+    res = runner.invoke(cli, ["deploy", "--workdir", str(built), "--dry-run"])
+    assert res.exit_code == 0 and "ensemble/config.pbtxt" in res.output
+    res = runner.invoke(cli, ["deploy", "--workdir", str(built), "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    assert "models: tensorrt_llm, ensemble, tensorrt_llm_bls" in res.output
+    res = runner.invoke(cli, ["deploy", "--workdir", str(built), "--device", "tpu"])
+    assert res.exit_code == 2 and "--device" in res.output
+
+
+# ---- request parsing of the engine model (no server) ---------------------------------------------------
+LIMITS = Limits(max_seq_len=128, max_draft_len=4)
+
+
+def getter(**tensors):
+    def get(name):
+        v = tensors.get(name)
+        if v is None:
+            return None
+        if isinstance(v, (str, bytes)):
+            return np.array([[v.encode() if isinstance(v, str) else v]], dtype=np.object_)
+        return np.array([[v]])
+    return get
+
+
+def test_parse_request_maps_the_contract():
+    p = parse_request(getter(text_input="héllo", max_tokens=8, temperature=0.5, top_k=3, top_p=0.0, seed=7,
+                             end_id=2, min_length=2, num_draft_tokens=0, stream=True, return_perf_metrics=True),
+                      LIMITS)
+    assert p.prompt == "héllo" and p.stream and p.return_perf_metrics and not p.exclude_input_in_output
+    assert p.num_draft_tokens == 0
+    assert p.sampling == {"max_tokens": 8, "temperature": 0.5, "top_k": 3, "top_p": 1.0, "seed": 7,
+                          "min_tokens": 2, "stop": (), "stop_token_ids": (2,)}
+    stops = np.array([[b"\n\n", b"END"]], dtype=np.object_)
+    p = parse_request(lambda n: stops if n == "stop_words" else getter(text_input="x", max_tokens=1)(n), LIMITS)
+    assert p.sampling["stop"] == ("\n\n", "END") and p.num_draft_tokens is None and "stop_token_ids" not in p.sampling
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"max_tokens": 4}, "text_input is missing"),
+    ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
+    ({"text_input": b"\xff\xfe", "max_tokens": 4}, "not valid UTF-8"),
+    ({"text_input": "hi"}, "max_tokens is missing"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be > 0"),
+    ({"text_input": "hi", "max_tokens": -3}, "max_tokens must be > 0"),
+    ({"text_input": "hi", "max_tokens": 500}, "beyond the engine's max sequence length 128"),
+    ({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": 5}, "above the built maximum 4"),
+    ({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": -1}, "num_draft_tokens must be >= 0"),
+    ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be >= 0"),
+    ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in"),
+    ({"text_input": "hi", "max_tokens": 4, "top_k": -2}, "top_k must be >= 0"),
+])
+def test_parse_request_refusals(tensors, message):
+    with pytest.raises(BadRequest, match=message):
+        parse_request(getter(**tensors), LIMITS)
+
+
+def test_parse_request_refuses_batches():
+    two = np.array([[b"a"], [b"b"]], dtype=np.object_)
+    with pytest.raises(BadRequest, match="one prompt per request"):
+        parse_request(lambda n: two if n == "text_input" else getter(max_tokens=3)(n), LIMITS)
+
+
+def test_perf_metrics():
+    class S:
+        num_draft_tokens, num_accepted_tokens = 8, 6
+    out = perf_metrics(S())
+    assert out["acceptance_rate"].dtype == np.float32 and out["acceptance_rate"][0, 0] == pytest.approx(0.75)
+    assert out["total_draft_tokens"][0, 0] == 8 and out["total_accepted_draft_tokens"][0, 0] == 6
+    assert perf_metrics(None)["acceptance_rate"][0, 0] == 0.0

@@ -1,0 +1,216 @@
+"""Load-test pieces that need no server: profiles, prompt sets, the comparison spec, gates, metrics
+parsing, the report (real matplotlib) and the CLI's refusals before any load is sent."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import socket
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from specbuild.cli.main import cli
+from specbuild.errors import UsageError
+from specbuild.loadtest import LoadtestConfig, input_budget, parse_compare, resolve_tokenizer
+from specbuild.loadtests import promptsets, report as rep, target
+from specbuild.loadtests.profiles import load_profile, profile_from_dict
+from specbuild.loadtests.runner import CellResult, locust_argv
+from specbuild.loadtests.runspec import Gates, RunSpec
+from specbuild.loadtests.tokens import TokenCounter
+
+BASE = {"users": 2, "duration": 5, "stream": True, "max_tokens": 8, "prompt_set": "chat"}
+
+
+def test_builtin_profiles_match_the_traffic_they_model():
+    chat, batch = load_profile("chat"), load_profile("batch")
+    assert chat.stream and 1 <= chat.users <= 4 and chat.max_tokens == 128 and chat.wait_time[1] > 0
+    assert not batch.stream and 16 <= batch.users <= 64 and batch.max_tokens == 256
+    assert batch.prompt_set == {"summarize": 1} and batch.max_input_tokens > chat.max_input_tokens
+    short = chat.with_overrides(users=1, duration=3, max_tokens=8)
+    assert (short.users, short.duration, short.max_tokens, short.spawn_rate) == (1, 3.0, 8, 1.0)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"users_typo": 3}, "unknown field(s) ['users_typo']"),
+    ({"users": 0}, "invalid users = 0"),
+    ({"users": "4"}, "field 'users' = '4' has type str"),
+    ({"users": True}, "field 'users' = True has type bool"),
+    ({"stream": 1}, "field 'stream' = 1 has type int"),
+    ({"wait_time": [2.0, 1.0]}, "invalid wait_time"),
+    ({"wait_time": [1.0]}, "wait_time = [1.0] must be [min, max]"),
+    ({"prompt_set": "poems"}, "invalid prompt_set = 'poems'"),
+    ({"prompt_set": {"chat": 0}}, "invalid prompt_set.chat = 0"),
+    ({"top_p": 1.5}, "invalid top_p = 1.5"),
+])
+def test_profile_errors_name_the_field_and_the_fix(change, message):
+    with pytest.raises(UsageError) as e:
+        profile_from_dict({**BASE, **change}, name="p", source="p.toml")
+    assert message in str(e.value) and "p.toml" in str(e.value)
+
+
+def test_profile_missing_field_and_unknown_name(tmp_path):
+    with pytest.raises(UsageError, match=r"missing required field\(s\) \['max_tokens'\]"):
+        profile_from_dict({k: v for k, v in BASE.items() if k != "max_tokens"}, name="p")
+    with pytest.raises(UsageError, match=r"built-in profiles: \['batch', 'chat'\]"):
+        load_profile("nosuch")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("users = [\n")
+    with pytest.raises(UsageError, match="not valid TOML"):
+        load_profile(bad)
+
+
+def test_prompt_sets_are_real_text(tiny_tokenizer):
+    code = promptsets.code_prompts(seed=1)
+    assert len(code) >= 20
+    # every code prompt is a prefix of a real stdlib function's source
+    sources = []
+    for name in promptsets.CODE_MODULES:
+        mod = __import__(name, fromlist=["_"])
+        for _, f in inspect.getmembers(mod, inspect.isfunction):
+            try:
+                sources.append(inspect.getsource(f))
+            except OSError:   # generated functions (namedtuple methods) have no source
+                pass
+    for p in code[:10]:
+        body = p.split("\n\n", 1)[1]
+        assert body.startswith("def ") and any(s.startswith(body.rstrip("\n")) for s in sources)
+    assert len(promptsets.chat_prompts()) >= 30 and all(p.endswith(("?", ".")) for p in promptsets.chat_prompts())
+    assert all(p.startswith("Summarize") and len(p) > 800 for p in promptsets.summarize_prompts())
+    counter = TokenCounter(tiny_tokenizer)
+    mix = promptsets.build_prompts({"chat": 1, "summarize": 1}, count=50, seed=3, counter=counter,
+                                   max_input_tokens=40)
+    assert len(mix) == 50 and max(counter.count(p) for p in mix) <= 40
+    assert mix == promptsets.build_prompts({"chat": 1, "summarize": 1}, count=50, seed=3, counter=counter,
+                                           max_input_tokens=40)
+
+
+def test_parse_compare_and_input_budget():
+    assert parse_compare("num_draft_tokens=0,4") == ("num_draft_tokens", [0, 4])
+    assert parse_compare(None) == (None, [None])
+    for bad in ("num_draft_tokens", "num_draft_tokens=4", "num_draft_tokens=1,1", "k=a,b"):
+        with pytest.raises(UsageError):
+            parse_compare(bad)
+    chat = load_profile("chat").with_overrides(max_tokens=32)
+    assert input_budget(chat, None) == chat.max_input_tokens
+    assert input_budget(chat, 256) == 256 - 32 - 8
+    with pytest.raises(UsageError, match="smaller --max-tokens"):
+        input_budget(chat.with_overrides(max_tokens=256), 256)
+
+
+def test_config_refuses_bad_values():
+    with pytest.raises(UsageError, match="--protocol"):
+        LoadtestConfig(protocol="websocket")
+    with pytest.raises(UsageError, match="--max-error-rate"):
+        LoadtestConfig(max_error_rate=5)
+    with pytest.raises(UsageError, match="--duration"):
+        LoadtestConfig(duration=0)
+
+
+def test_tokenizer_is_found_through_the_deploy_manifest(tmp_path, tiny_tokenizer):
+    engines = tmp_path / "elsewhere" / "engines"
+    (engines / "tokenizer").mkdir(parents=True)
+    (engines / "tokenizer" / "tokenizer.json").write_text((tiny_tokenizer / "tokenizer.json").read_text())
+    (tmp_path / "work" / "model_repository").mkdir(parents=True)
+    (tmp_path / "work" / "model_repository" / "manifest.json").write_text(
+        json.dumps({"inputs": {"engine_dir": str(engines)}}))
+    assert resolve_tokenizer(None, tmp_path / "work") == engines / "tokenizer"
+    with pytest.raises(UsageError, match="pass --tokenizer"):
+        resolve_tokenizer(None, tmp_path / "empty")
+
+
+def test_gates_and_spec_metrics():
+    g = Gates(max_p95_ttft_ms=100, max_error_rate=0.01)
+    assert g.violations(p95_ttft_ms=50, p95_tpot_ms=None, p95_e2e_ms=None, error_rate=0.0) == []
+    v = g.violations(p95_ttft_ms=150, p95_tpot_ms=None, p95_e2e_ms=None, error_rate=0.02)
+    assert v == ["p95 TTFT 150.0 ms > 100 ms", "error rate 2.00% > 1.00%"]
+    assert Gates(max_p95_ttft_ms=1).violations(p95_ttft_ms=None, p95_tpot_ms=None, p95_e2e_ms=None,
+                                               error_rate=0) == ["p95 TTFT was not measured (gate 1 ms)"]
+    before = {"specbuild_draft_tokens_total": 100.0, "specbuild_accepted_tokens_total": 40.0,
+              "specbuild_drafts_total": 25.0, "specbuild_acceptance_rate": 0.4, 'nv_inference_count{model="x"}': 5}
+    after = {"specbuild_draft_tokens_total": 180.0, "specbuild_accepted_tokens_total": 100.0,
+             "specbuild_drafts_total": 45.0, "specbuild_acceptance_rate": 0.55, 'nv_inference_count{model="x"}': 9}
+    s = target.spec_summary(target.metric_deltas(before, after))
+    assert (s["drafted"], s["accepted"], s["drafts"]) == (80.0, 60.0, 20.0)
+    assert s["acceptance_rate"] == pytest.approx(0.75) and s["mean_accepted_length"] == pytest.approx(4.0)
+
+
+def _samples(e2e_base: float, n: int, accepted: int | None) -> list[dict]:
+    return [{"kind": "request", "start": 1000.0 + i, "ok": True, "error": None, "ttft_ms": 10.0 + i,
+             "e2e_ms": e2e_base + i, "itl_ms": [5.0, 7.0], "tokens": 11, "chunks": 3,
+             "tpot_ms": (e2e_base + i - 10.0 - i) / 10, "accepted": accepted, "drafted": 8 if accepted else None,
+             "acceptance_rate": None, "overhead_ms": 0.5} for i in range(n)]
+
+
+def test_report_figures_gain_table_and_files(tmp_path):
+    off = CellResult("chat", "num_draft_tokens=0", tmp_path, 0, 5.0, samples=_samples(110.0, 5, None),
+                     probes_ms=[0.2, 0.4])
+    on = CellResult("chat", "num_draft_tokens=4", tmp_path, 0, 5.0,
+                    samples=_samples(60.0, 5, 4) + [{"kind": "request", "start": 1000.0, "ok": False,
+                                                     "error": "RequestFailed: boom", "e2e_ms": 3.0}])
+    gates = Gates(max_p95_ttft_ms=12.0)
+    cells = [rep.summarize_cell(c, stream=True, users=2, gates=gates) for c in (off, on)]
+    c0, c1 = cells
+    assert c0["ttft_ms"]["p50"] == 12.0 and c0["e2e_ms"]["p50"] == 112.0 and c0["itl_ms"]["count"] == 10
+    assert c0["tpot_ms"]["p50"] == pytest.approx(10.0) and c0["output_tokens"] == 55
+    assert c0["tokens_per_s"] == pytest.approx(55 / (4 + 0.114))
+    assert c1["failures"] == 1 and c1["error_rate"] == pytest.approx(1 / 6) and c1["errors"] == ["RequestFailed: boom"]
+    assert c1["acceptance"]["responses"] == {"accepted": 20, "drafted": 40, "acceptance_rate": 0.5}
+    assert c0["gates"] == {"passed": False, "violations": ["p95 TTFT 13.8 ms > 12 ms"]}
+    gains = rep.gain_table(cells, "num_draft_tokens=0")
+    assert len(gains) == 1 and gains[0]["e2e_speedup"] == pytest.approx(112 / 62)
+    assert gains[0]["ttft_speedup"] == pytest.approx(1.0) and gains[0]["acceptance_rate"] == 0.5
+    report = {"url": "http://x", "model": "m", "protocol": "http", "started": "now", "status": "ok",
+              "cells": cells, "gains": gains}
+    paths = rep.write_report(tmp_path / "out", report)
+    data = json.loads(paths["json"].read_text())
+    assert {"ttft", "itl", "e2e", "throughput"} <= set(data["plots"]) and "_raw" not in data["cells"][0]
+    for name in data["plots"].values():
+        assert (tmp_path / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = paths["md"].read_text()
+    assert "| chat | num_draft_tokens=4 vs num_draft_tokens=0 | 1.00x | " in md and "1.81x" in md
+    assert "FAIL: p95 TTFT 13.8 ms > 12 ms" in md
+
+
+def test_locust_argv_local_master_worker(tmp_path):
+    spec = RunSpec(label="chat", protocol="http", url="http://127.0.0.1:1", grpc_url="127.0.0.1:2", model="m",
+                   stream=True, payload={}, prompts=["hi"], tokenizer="t", samples_dir=str(tmp_path))
+    local = locust_argv(spec, users=2, spawn_rate=2, duration=5, csv_prefix=tmp_path / "x", stop_timeout=3)
+    assert local[1:3] == ["-m", "locust"] and local[local.index("-u") + 1] == "2"
+    assert local[local.index("-t") + 1] == "5s" and "--headless" in local and "--master" not in local
+    master = locust_argv(spec, users=2, spawn_rate=2, duration=5, csv_prefix=tmp_path / "x", stop_timeout=3,
+                         role="master", workers=3, master_port=5600)
+    assert master[master.index("--expect-workers") + 1] == "3" and "127.0.0.1" in master
+    worker = locust_argv(spec, users=2, spawn_rate=2, duration=5, csv_prefix=tmp_path / "x", stop_timeout=3,
+                         role="worker", master_port=5600)
+    assert worker[-4:] == ["--master-host", "127.0.0.1", "--master-port", "5600"] and "--headless" not in worker
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_refuses_before_any_load(tmp_path, tiny_tokenizer):
+    runner = CliRunner()
+    out = tmp_path / "report"
+    base = ["loadtest", "--tokenizer", str(tiny_tokenizer), "--out", str(out), "--duration", "1"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(textwrap.dedent("""\
+        users = 2
+        duration = 5
+        stream = true
+        max_tokens = 8
+        prompt_set = "chat"
+        think_time = 3
+    """))
+    r = runner.invoke(cli, base + ["--profile", str(bad)])
+    assert r.exit_code == 2 and "unknown field(s) ['think_time']" in r.output
+    r = runner.invoke(cli, base + ["--url", f"http://127.0.0.1:{_closed_port()}"])
+    assert r.exit_code == 1 and "no Triton server answers" in r.output and "--url" in r.output
+    r = runner.invoke(cli, base + ["--compare", "num_draft_tokens=4"])
+    assert r.exit_code == 2 and "at least two distinct values" in r.output
+    assert not out.exists()
+    assert "Example:" in runner.invoke(cli, ["loadtest", "--help"]).output

@@ -1,0 +1,287 @@
+"""The embedded deployment on a real tritonserver (tiny models through convert -> build -> deploy).
+
+One server for the module (the session-scoped `running_server` of tests/servers.py). Covers HTTP
+generate, generate_stream (SSE), gRPC streaming, continuous batching across 16 concurrent streams,
+lossless speculation through the server, custom metrics, every refused request, client cancellation,
+`infer`, and stop/restart (last: it restarts the shared server).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from click.testing import CliRunner
+
+from specbuild import contract, serve
+from specbuild.client import Client, RequestError, grpc_inputs, metric, parse_metrics
+
+pytestmark = pytest.mark.server
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "def fibonacci(n):", "Triton Inference Server"]
+# min_tokens = max_tokens: a random tiny model may emit EOS early; this keeps every output 16 tokens long.
+GEN = {"max_tokens": 16, "min_tokens": 16}
+LONG = 1000  # tokens of a request that is cancelled early (max_seq_len is 1024): ~2 s of work on this box
+
+
+def client(srv, model=contract.ENSEMBLE_MODEL) -> Client:
+    return Client(srv.http_url, srv.grpc_url, model=model, timeout=120)
+
+
+def scrape(srv) -> dict[str, float]:
+    return parse_metrics(httpx.get(srv.metrics_url, timeout=10).text)
+
+
+def wait_metrics(srv, pred, what: str, limit: float = 30.0) -> dict[str, float]:
+    """Custom metrics are refreshed by the model's watchdog thread: poll until `pred` holds."""
+    deadline = time.monotonic() + limit
+    while True:
+        m = scrape(srv)
+        if pred(m):
+            return m
+        assert time.monotonic() < deadline, f"metrics never showed {what}: " + str(
+            {k: v for k, v in m.items() if k.startswith("specbuild")})
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def reference(running_server):
+    """Greedy output of every prompt, non-streaming, speculation off (the ground truth)."""
+    c = client(running_server, contract.SPECULATIVE_MODEL)
+    return {p: c.generate(p, **GEN, num_draft_tokens=0).text for p in PROMPTS}
+
+
+def test_http_generate(running_server, reference):
+    for model in contract.CLIENT_MODELS:
+        gen = client(running_server, model).generate(PROMPTS[0], **GEN, return_perf_metrics=True)
+        assert gen.text == reference[PROMPTS[0]] and gen.text
+        assert gen.total_draft_tokens > 0 and 0 <= gen.total_accepted_draft_tokens <= gen.total_draft_tokens
+        assert gen.acceptance_rate == pytest.approx(gen.total_accepted_draft_tokens / gen.total_draft_tokens)
+    plain = client(running_server).generate(PROMPTS[0], **GEN)
+    assert plain.total_draft_tokens is None  # perf metrics only when asked for
+    full = client(running_server).generate(PROMPTS[0], **GEN, exclude_input_in_output=False)
+    assert full.text == PROMPTS[0] + reference[PROMPTS[0]]
+
+
+def test_http_generate_stream_sse(running_server, reference):
+    for model in contract.CLIENT_MODELS:
+        gen = client(running_server, model).generate_stream(PROMPTS[1], **GEN, return_perf_metrics=True)
+        assert "".join(gen.chunks) == reference[PROMPTS[1]]
+        assert len(gen.chunks) > 1 and gen.arrivals == sorted(gen.arrivals)
+        assert gen.total_draft_tokens > 0
+
+
+def test_grpc_streaming(running_server, reference):
+    for model in contract.CLIENT_MODELS:
+        seen = []
+        gen = client(running_server, model).grpc_stream(PROMPTS[2], on_chunk=seen.append, **GEN,
+                                                        return_perf_metrics=True)
+        assert gen.text == reference[PROMPTS[2]] and seen == gen.chunks and len(seen) > 1
+        assert gen.total_draft_tokens > 0
+    one = client(running_server).grpc_stream(PROMPTS[2], stream=False, **GEN)
+    assert one.chunks == [reference[PROMPTS[2]]]
+
+
+def test_speculation_is_lossless_through_the_server(running_server, reference):
+    c = client(running_server, contract.SPECULATIVE_MODEL)
+    for k in (1, 2, 4):
+        for p in PROMPTS:
+            gen = c.generate(p, **GEN, num_draft_tokens=k, return_perf_metrics=True)
+            assert gen.text == reference[p], (k, p)
+            assert gen.total_draft_tokens > 0
+    off = c.generate(PROMPTS[0], **GEN, num_draft_tokens=0, return_perf_metrics=True)
+    assert off.total_draft_tokens == 0 and off.text == reference[PROMPTS[0]]
+    # seeded sampling is reproducible through the server
+    a = c.generate(PROMPTS[1], max_tokens=12, temperature=1.0, seed=11, num_draft_tokens=3)
+    b = c.generate(PROMPTS[1], max_tokens=12, temperature=1.0, seed=11, num_draft_tokens=3)
+    assert a.text == b.text
+
+
+def test_16_concurrent_streams_interleave(running_server, reference):
+    """A long non-streaming "anchor" request occupies the engine while 15 streams arrive: with continuous
+    batching all of them finish before the anchor does (served one at a time, none would). The anchor
+    does not stream, so it adds no response traffic that would slow the others' admission."""
+    anchor: dict = {}
+
+    def run_anchor():
+        anchor["gen"] = client(running_server, contract.SPECULATIVE_MODEL).generate(
+            PROMPTS[0], max_tokens=1000, min_tokens=1000)
+        anchor["done"] = time.perf_counter()
+
+    anchor_thread = threading.Thread(target=run_anchor)
+    anchor_thread.start()
+    wait_metrics(running_server, lambda m: metric(m, "specbuild_running_requests") >= 1, "the anchor running")
+    assert "done" not in anchor, "the anchor finished before the test could start the others"
+
+    n = 15
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+    errors: list = []
+
+    def one(i):
+        try:
+            barrier.wait(timeout=60)
+            model = contract.CLIENT_MODELS[i % 2]
+            results[i] = client(running_server, model).generate_stream(PROMPTS[i % 4], **GEN)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in [*threads, anchor_thread]:
+        t.join(timeout=300)
+    assert not errors, errors
+    # batched output is the same as each prompt alone
+    for i, gen in enumerate(results):
+        assert "".join(gen.chunks) == reference[PROMPTS[i % 4]]
+    # Served one at a time, no stream would end before the anchor; under continuous batching they run
+    # beside it. (Not all: on a loaded 2-core box the last ones may be admitted as the anchor ends.)
+    ends = sorted(g.sent_at + g.arrivals[-1] - anchor["done"] for g in results)
+    beside = sum(e < 0 for e in ends)
+    assert beside >= n // 2, f"only {beside} streams ran beside the anchor; ends relative to the anchor's: {ends}"
+    m = wait_metrics(running_server, lambda m: metric(m, "specbuild_max_running_requests") >= 2,
+                     "a running batch > 1")
+    assert metric(m, "specbuild_max_running_requests") >= 2
+
+
+def test_metrics_present_and_moving(running_server):
+    before = wait_metrics(running_server, lambda m: metric(m, "specbuild_running_requests") == 0, "an idle engine")
+    for name in ("specbuild_requests_total", "specbuild_generated_tokens_total", "specbuild_draft_tokens_total",
+                 "specbuild_accepted_tokens_total", "specbuild_drafts_total", "specbuild_acceptance_rate",
+                 "nv_inference_request_success"):
+        assert any(k == name or k.startswith(name + "{") for k in before), name
+    gen = client(running_server, contract.SPECULATIVE_MODEL).generate(
+        PROMPTS[3], max_tokens=12, min_tokens=12, num_draft_tokens=4, return_perf_metrics=True)
+
+    def delta(m, name):
+        return metric(m, name) - metric(before, name)
+
+    # the watchdog refreshes the counters every 0.1 s: wait until they account for the whole request
+    after = wait_metrics(running_server, lambda m: delta(m, "specbuild_requests_total") >= 1
+                         and delta(m, "specbuild_generated_tokens_total") >= 12, "the new request")
+    assert delta(after, "specbuild_generated_tokens_total") == 12
+    assert delta(after, "specbuild_draft_tokens_total") == gen.total_draft_tokens
+    assert delta(after, "specbuild_accepted_tokens_total") == gen.total_accepted_draft_tokens
+    drafted, accepted = metric(after, "specbuild_draft_tokens_total"), metric(after, "specbuild_accepted_tokens_total")
+    assert metric(after, "specbuild_acceptance_rate") == pytest.approx(accepted / drafted)
+    assert after['nv_inference_request_success{model="tensorrt_llm_bls",version="1"}'] > \
+        before.get('nv_inference_request_success{model="tensorrt_llm_bls",version="1"}', 0)
+
+
+def _stream_error(srv, model: str, inputs: list) -> str:
+    import queue
+
+    q: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        c.start_stream(callback=lambda result, error: q.put((result, error)))
+        c.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        result, error = q.get(timeout=60)
+        assert error is not None, "request was accepted"
+        return error.message()
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+@pytest.mark.parametrize("model", contract.CLIENT_MODELS)
+def test_bad_requests_are_refused_and_the_server_keeps_serving(running_server, reference, model):
+    c = client(running_server, model)
+    bad_http = [
+        ({"max_tokens": 4}, "text_input"),
+        ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
+        ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be > 0"),
+        ({"text_input": "hi", "max_tokens": -5}, "max_tokens must be > 0"),
+        ({"text_input": "hi", "max_tokens": 100000}, "beyond the engine's max sequence length 1024"),
+        ({"text_input": "hi " * 700, "max_tokens": 900}, "exceeds max_seq_len=1024"),
+    ]
+    if model == contract.SPECULATIVE_MODEL:
+        bad_http.append(({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": 9}, "above the built maximum 4"))
+    for body, message in bad_http:
+        r = httpx.post(f"{running_server.http_url}/v2/models/{model}/generate", json=body, timeout=60)
+        assert r.status_code == 400 and message in r.json()["error"], (body, r.text)
+        if "text_input" in body:  # the same refusal on the streaming endpoint
+            params = {k: v for k, v in body.items() if k != "text_input"}
+            with pytest.raises(RequestError, match=message):
+                c.generate_stream(body["text_input"], **params)
+    # over gRPC: non-UTF-8 bytes, wrong dtype, wrong shape
+    assert "not valid UTF-8" in _stream_error(running_server, model,
+                                               grpc_inputs({"text_input": b"\xff\xfeok", "max_tokens": 4}))
+    wrong_dtype = grpc_inputs({"text_input": "hi"})
+    mt = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+    mt.set_data_from_numpy(np.array([[4.0]], dtype=np.float32))
+    assert "data-type" in _stream_error(running_server, model, wrong_dtype + [mt]).lower().replace("datatype",
+                                                                                                     "data-type")
+    shape = grpcclient.InferInput("text_input", [1, 2], "BYTES")
+    shape.set_data_from_numpy(np.array([[b"a", b"b"]], dtype=np.object_))
+    assert "shape" in _stream_error(running_server, model, [shape] + grpc_inputs({"max_tokens": 4})).lower()
+    # ... and good requests still work
+    assert c.generate(PROMPTS[0], **GEN).text == reference[PROMPTS[0]]
+
+
+@pytest.mark.parametrize("model", contract.CLIENT_MODELS)
+def test_client_cancellation_frees_the_slot(running_server, model):
+    idle = wait_metrics(running_server, lambda m: metric(m, "specbuild_running_requests") == 0, "an idle engine")
+    gen = client(running_server, model).grpc_stream(PROMPTS[0], max_tokens=LONG, min_tokens=LONG,
+                                                    cancel_after=2)
+    assert len(gen.chunks) == 2
+    after = wait_metrics(running_server, lambda m: metric(m, "specbuild_requests_aborted_total")
+                         >= metric(idle, "specbuild_requests_aborted_total") + 1
+                         and metric(m, "specbuild_running_requests") == 0, "the aborted request")
+    made = metric(after, "specbuild_generated_tokens_total") - metric(idle, "specbuild_generated_tokens_total")
+    assert made < LONG, "the cancelled request ran to max_tokens"
+
+
+def test_http_disconnect_frees_the_slot(running_server):
+    idle = wait_metrics(running_server, lambda m: metric(m, "specbuild_running_requests") == 0, "an idle engine")
+    url = f"{running_server.http_url}/v2/models/{contract.SPECULATIVE_MODEL}/generate_stream"
+    with httpx.stream("POST", url, json={"text_input": PROMPTS[1], "max_tokens": LONG, "min_tokens": LONG, "stream": True},
+                      timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 2:
+                break
+    after = wait_metrics(running_server, lambda m: metric(m, "specbuild_requests_aborted_total")
+                         >= metric(idle, "specbuild_requests_aborted_total") + 1
+                         and metric(m, "specbuild_running_requests") == 0, "the aborted request")
+    assert metric(after, "specbuild_generated_tokens_total") - metric(idle, "specbuild_generated_tokens_total") < LONG
+
+
+def test_infer_cli(running_server, reference):
+    from specbuild.cli.main import cli
+
+    runner = CliRunner(mix_stderr=False) if "mix_stderr" in CliRunner.__init__.__code__.co_varnames else CliRunner()
+    base = ["infer", "--url", running_server.http_url, "--grpc-url", running_server.grpc_url, "--max-tokens", "16",
+            "--min-tokens", "16"]
+    for extra in ([], ["--protocol", "grpc"], ["--no-stream", "--num-draft-tokens", "2"]):
+        res = runner.invoke(cli, base + ["--prompt", PROMPTS[0], *extra])
+        assert res.exit_code == 0, res.output
+        assert res.stdout == reference[PROMPTS[0]] + "\n"
+        assert "acceptance rate" in res.stderr and "drafted" in res.stderr
+    # without --url: the server recorded in --workdir by `specbuild serve`
+    res = runner.invoke(cli, ["infer", "--workdir", str(running_server.workdir), "--max-tokens", "16",
+                              "--min-tokens", "16", "--prompt", PROMPTS[0]])
+    assert res.exit_code == 0 and res.stdout == reference[PROMPTS[0]] + "\n", res.output
+    res = runner.invoke(cli, base + ["--prompt", PROMPTS[0], "--model", "ensemble", "--num-draft-tokens", "2"])
+    assert res.exit_code == 2
+    res = runner.invoke(cli, base + ["--prompt", "", "--no-stream"])
+    assert res.exit_code == 1 and "text_input is empty" in res.stderr
+
+
+def test_stop_frees_everything_and_restart_serves_again(running_server, reference):
+    """stop (no process left, ports free), then start again on the same ports: the server answers as before."""
+    old = running_server.info
+    log = open(old.log_file, errors="replace").read()
+    assert "Signal (11)" not in log and "Signal (6)" not in log, "tritonserver crashed during the module"
+    stopped = running_server.stop()
+    assert stopped.pid == old.pid
+    assert not serve._alive(old.pid) and not serve._group_members(old.pid)
+    assert all(serve.port_free("127.0.0.1", p) for p in (old.http_port, old.grpc_port, old.metrics_port))
+    running_server.info = serve.start(running_server.workdir, running_server.options)
+    assert running_server.info.pid != old.pid and running_server.http_url == old.http_url
+    assert client(running_server).generate(PROMPTS[0], **GEN).text == reference[PROMPTS[0]]
+    assert client(running_server).grpc_stream(PROMPTS[0], **GEN).text == reference[PROMPTS[0]]
