@@ -39,8 +39,8 @@ from specbuild.client import DEFAULT_GRPC, DEFAULT_HTTP, Client
               help=f"gRPC endpoint. Default: the server `specbuild serve` started in --workdir, else {DEFAULT_GRPC}.")
 @workdir_option
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the answer.")
-def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, temperature, top_k, top_p, seed, protocol,
-                  model, url, grpc_url, workdir, timeout):
+def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, proposer, temperature, top_k, top_p,
+                  seed, protocol, model, url, grpc_url, workdir, timeout):
     """Send one prompt, print the tokens as they arrive, then the acceptance stats.
 
     \b

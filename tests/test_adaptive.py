@@ -83,14 +83,18 @@ def test_verify_curve_fit_and_calibration_reading():
 
 
 def test_tracker_counts_tested_drafts_only_and_probes_when_off():
-    tr = AcceptanceTracker(0.5, AdaptivePolicy(weight=0.5, probe_every=3))
-    tr.observe(4, 4)                                           # 4 successes, no failure
-    assert tr.alpha == pytest.approx(1 - 0.5 ** 5)
+    tr = AcceptanceTracker(0.5, AdaptivePolicy(prior_strength=2, min_weight=0.5, probe_every=3))
+    tr.observe(4, 4)                                           # 4 successes, no failure: weights 1/3, 1/2 ...
+    assert tr.alpha == pytest.approx(1 - 0.5 * 0.5 ** 4) and tr.trials == 4     # min_weight 0.5 dominates
     tr.alpha = 0.5
     tr.observe(4, 1)                                           # 1 success, 1 failure; d3, d4 never tested
-    assert tr.alpha == pytest.approx(0.375)
+    assert tr.alpha == pytest.approx(0.375) and tr.trials == 6
     tr.observe(0, 0)
-    assert tr.alpha == pytest.approx(0.375)
+    assert tr.alpha == pytest.approx(0.375) and tr.trials == 6
+    # Thin evidence: the first trials weigh like a Beta posterior mean (prior 0.5 worth 2 trials).
+    beta = AcceptanceTracker(0.5, AdaptivePolicy(prior_strength=2, min_weight=0.01))
+    beta.observe(3, 2)                                         # 2 successes, 1 failure
+    assert beta.alpha == pytest.approx((2 + 0.5 * 2) / (3 + 2))
     tr.alpha = 0.0
     cost = CostModel()
     assert [tr.next_k(cost, 4) for _ in range(7)] == [0, 0, 1, 0, 0, 1, 0]
@@ -131,15 +135,21 @@ def _check_stats(st):
     assert st.drafted_per_pos == sorted(st.drafted_per_pos, reverse=True)
 
 
-def test_adaptive_is_lossless_and_turns_an_unrelated_draft_off(eng, plain, monkeypatch):
+def _record_trackers(eng, monkeypatch) -> list[AcceptanceTracker]:
+    """Keep each request's AcceptanceTracker (its per-step K history) as the engine makes sequences."""
     trackers = []
     make = eng._make_sequence
 
-    def recording(*a, **kw):                                  # keep each request's per-step K history
+    def recording(*a, **kw):
         seq = make(*a, **kw)
         trackers.append(seq.adaptive)
         return seq
     monkeypatch.setattr(eng, "_make_sequence", recording)
+    return trackers
+
+
+def test_adaptive_is_lossless_and_turns_an_unrelated_draft_off(eng, plain, monkeypatch):
+    trackers = _record_trackers(eng, monkeypatch)
     steps = zeros = 0
     for p in PROMPTS:
         eng.scheduler.alpha_prior = prior_alphas(None)        # every request starts from the same prior
@@ -150,13 +160,15 @@ def test_adaptive_is_lossless_and_turns_an_unrelated_draft_off(eng, plain, monke
         assert ngram.token_ids == plain[p].token_ids
         _check_stats(out.stats)
         _check_stats(ngram.stats)
-        assert history[0] > 0 and 0 in history[:8]           # optimistic start, off after a few rejections
+        assert history[0] > 0 and 0 in history[:12]          # optimistic start, off after a few rejections
+        if out.stats.num_accepted_tokens == 0:
+            assert history[4] == 0                            # nothing ever accepted: off by the 5th step
         assert sum(history) == out.stats.num_draft_tokens
         steps += len(history)
         zeros += history.count(0)
     # Off for most steps; the rest are probes and stretches where the tiny random models repeat themselves
     # (there the unrelated draft is right, and adaptive K rightly drafts again).
-    assert zeros >= 0.6 * steps
+    assert zeros >= 0.5 * steps
 
 
 def test_adaptive_drafts_long_when_the_draft_is_the_target(eng_self, plain):
@@ -170,16 +182,17 @@ def test_adaptive_drafts_long_when_the_draft_is_the_target(eng_self, plain):
         assert st.num_draft_tokens / sum(st.k_counts.values()) > 3
 
 
-def test_new_requests_start_from_what_finished_ones_measured(tiny_llama, plain):
+def test_new_requests_start_from_what_finished_ones_measured(tiny_llama, plain, monkeypatch):
     eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
+    trackers = _record_trackers(eng, monkeypatch)
     assert eng.scheduler.alpha_prior["draft"] == AdaptivePolicy().prior_alpha
     first = eng.generate(PROMPTS[0], GREEDY, num_draft_tokens=-1)
     assert eng.scheduler.alpha_prior["draft"] > AdaptivePolicy().prior_alpha      # all accepted: raised
     assert eng.scheduler.alpha_prior["ngram"] == AdaptivePolicy().prior_alpha      # other proposer untouched
     second = eng.generate(PROMPTS[1], GREEDY, num_draft_tokens=-1)
     assert second.token_ids == plain[PROMPTS[1]].token_ids
-    # A higher starting estimate drafts more in the first step.
-    assert min(second.stats.k_counts) > min(first.stats.k_counts)
+    assert first.token_ids == plain[PROMPTS[0]].token_ids
+    assert trackers[1].history[0] > trackers[0].history[0]    # a higher starting estimate drafts more at once
     eng.generate(PROMPTS[2], GREEDY, num_draft_tokens=3)                           # fixed K: no effect
     before = dict(eng.scheduler.alpha_prior)
     eng.generate(PROMPTS[2], GREEDY, num_draft_tokens=3)

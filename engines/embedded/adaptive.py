@@ -15,7 +15,10 @@ so `choose_k` picks argmax_K E(a, K) / cost(K) over K = 0..max_k (K = 0 scores e
 Per sequence, `AcceptanceTracker` keeps an EWMA of a, starting from the engine's running estimate for the
 proposer (the calibrated alpha at first, then moved toward each finished adaptive sequence's estimate). A
 round that accepted n of k drafts is n successes then (if n < k) one failure; drafts after the first
-rejection were never tested and do not count (the estimator of `calibrate.estimate_alpha`). A sequence at K = 0 learns nothing, so every `probe_every`-th
+rejection were never tested and do not count (the estimator of `calibrate.estimate_alpha`). Trial t has
+weight max(1 / (t + prior_strength), min_weight): a Beta-posterior-like mean while evidence is thin (an
+unrelated draft is off after ~4 rejections), then a forgetting EWMA (one rejection after a long accepted run
+moves 0.93 to 0.84, not to K = 0). A sequence at K = 0 learns nothing, so every `probe_every`-th
 consecutive K = 0 step drafts one token as a probe; a recovered acceptance turns speculation back on.
 
 Worked example (c = 0.3, v(K) = 0.1 + 0.05 K): a = 0.9 -> K = 5 (predicted 1.64x); a = 0.5 -> K = 1 (1.03x);
@@ -108,13 +111,15 @@ def cost_models(calibration: dict | None) -> dict[str, CostModel]:
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
-    weight: float = 0.25             # EWMA weight of one acceptance trial
-    prior_alpha: float = 0.8         # optimistic start: a failing draft is off in 2-3 steps, while a
+    prior_strength: float = 4.0      # pseudo-trials behind the starting estimate
+    min_weight: float = 0.1          # EWMA weight of one trial once evidence has built up
+    prior_alpha: float = 0.8         # optimistic start: a failing draft is off after ~4 rejections, while a
                                      # pessimistic one would sit at K = 0 and learn only from probes
     probe_every: int = 8             # after this many K = 0 steps in a row, draft 1 token to re-measure
 
     def __post_init__(self):
-        if not 0 < self.weight <= 1 or not 0 <= self.prior_alpha <= 1 or self.probe_every < 1:
+        if (not 0 < self.min_weight <= 1 or self.prior_strength < 0 or not 0 <= self.prior_alpha <= 1
+                or self.probe_every < 1):
             raise ValueError(f"invalid adaptive policy {self}")
 
 
@@ -134,18 +139,17 @@ class AcceptanceTracker:
     policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
     zero_steps: int = 0
     trials: int = 0                                      # acceptance trials observed
-    history: list[int] = field(default_factory=list)     # K chosen at each step (for tests and stats)
+    history: list[int] = field(default_factory=list)     # K chosen at each step (within the max_tokens cap)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """A round that drafted `num_draft` tokens and accepted `num_accepted` of them."""
         if num_draft <= 0:
             return
-        w = self.policy.weight
-        self.trials += num_accepted + (num_accepted < num_draft)
-        for _ in range(num_accepted):
-            self.alpha += w * (1.0 - self.alpha)
-        if num_accepted < num_draft:
-            self.alpha -= w * self.alpha
+        outcomes = [1.0] * num_accepted + ([0.0] if num_accepted < num_draft else [])
+        for x in outcomes:
+            self.trials += 1
+            w = max(1.0 / (self.trials + self.policy.prior_strength), self.policy.min_weight)
+            self.alpha += w * (x - self.alpha)
 
     def fold_into(self, prior: float, weight: float = 0.3) -> float:
         """The engine-wide prior after this (finished) sequence: moved toward its alpha if it observed any."""
