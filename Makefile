@@ -5,13 +5,13 @@ BIN    := $(VENV)/bin
 WORKDIR ?= specbuild-work
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench clean help
+.PHONY: setup test test-fast demo bench bench-quick clean help
 
 help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
 	@echo "make demo    - offline end-to-end demo on SmolLM2-135M-Instruct (convert .. report)"
 	@echo "make test    - the full offline test suite (real tokenizers, models, tritonserver, locust)"
-	@echo "make bench   - engine benchmarks -> bench/results/*.json"
+	@echo "make bench   - engine benchmarks -> bench/results/{engine,adaptive}.json (bench-quick: short)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ demo:
 
 bench:
 	$(BIN)/python bench/bench_engine.py --out bench/results/engine.json
+	$(BIN)/python bench/bench_adaptive.py --out bench/results/adaptive.json
+
+bench-quick:
+	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json
+	$(BIN)/python bench/bench_adaptive.py --quick --out bench/results/adaptive.json
 
 clean:
 	rm -rf $(WORKDIR) bench/results report

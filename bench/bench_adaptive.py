@@ -17,8 +17,8 @@ draft_quantize="int8")`) and the n-gram proposer, in one process:
 Every cell is measured --runs times, round-robin (one pass over all cells per run, so load bursts from
 other processes hit every cell alike); figures are medians. Writes --out (JSON) and prints a table.
 
-    .venv/bin/python bench/bench_adaptive.py --quick        # ~6 min on an idle 2-core box
-    .venv/bin/python bench/bench_adaptive.py --runs 5 --tokens 48 --threads 2
+    .venv/bin/python bench/bench_adaptive.py --quick        # 3 runs x 12 tokens: ~4.5 min on the 2-core box
+    .venv/bin/python bench/bench_adaptive.py                # 3 runs x 32 tokens: ~4 min per run when quiet
 """
 
 from __future__ import annotations

@@ -45,11 +45,17 @@ def _stderr(msg: str) -> None:
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Pipeline-parallel size (trtllm only).")
 @click.option("--container-tag", default=None, help="TensorRT-LLM Triton container tag (trtllm only).")
+@click.option("--adaptive-k", is_flag=True, default=False,
+              help="Requests without num_draft_tokens get adaptive K: each sequence picks K each step from its "
+                   "own acceptance and the calibrated costs (embedded only; requests may also send -1).")
+@click.option("--spec-max-concurrency", type=click.IntRange(min=1), default=None,
+              help="Draft only while at most this many sequences run (like TensorRT-LLM's max_concurrency); "
+                   "default: always (embedded only).")
 @dry_run_option
 @force_option
 def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, num_draft_tokens, proposer,
                   draft_quantize, dtype, device, threads, calibrate, trtllm_version, max_input_len, max_num_tokens,
-                  use_draft_logits, tp, pp, container_tag, dry_run, force):
+                  use_draft_logits, tp, pp, container_tag, adaptive_k, spec_max_concurrency, dry_run, force):
     """Build WORKDIR/engines/ from the converted checkpoints in WORKDIR/checkpoints/.
 
     The embedded backend writes the engine directory, runs a smoke generation
@@ -62,6 +68,7 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
       specbuild convert --target demo:smollm2-135m-instruct --draft demo:smollm2-135m-instruct
       specbuild build --draft-quantize int8          # the demo int8 self-draft
       specbuild build --proposer ngram --max-batch-size 4 --force
+      specbuild build --draft-quantize int8 --adaptive-k --spec-max-concurrency 3
       specbuild build --backend trtllm --max-draft-len 4 --dry-run
     """
     result = build(workdir=workdir, backend=backend, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
@@ -69,7 +76,8 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
                    draft_quantize=draft_quantize, calibrate=calibrate, proposer=proposer,
                    num_draft_tokens=num_draft_tokens, force=force, dry_run=dry_run, trtllm_version=trtllm_version,
                    max_input_len=max_input_len, max_num_tokens=max_num_tokens, use_draft_logits=use_draft_logits,
-                   tp=tp, pp=pp, container_tag=container_tag, progress=_stderr)
+                   tp=tp, pp=pp, container_tag=container_tag, adaptive_k=adaptive_k,
+                   spec_max_concurrency=spec_max_concurrency, progress=_stderr)
     if result.plan is not None:
         click.echo("\n".join(step.render() for step in result.plan))
         return

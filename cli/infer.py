@@ -19,9 +19,9 @@ from specbuild.client import DEFAULT_GRPC, DEFAULT_HTTP, Client
               help="Tokens to generate at most.")
 @click.option("--min-tokens", type=click.IntRange(min=0), default=None,
               help="Generate at least this many tokens (EOS is ignored until then). Default: 0.")
-@click.option("--num-draft-tokens", type=click.IntRange(min=0), default=None,
-              help="Draft tokens per step (0 = speculation off). Default: the engine's K. "
-                   "Implies --model tensorrt_llm_bls.")
+@click.option("--num-draft-tokens", type=click.IntRange(min=-1), default=None,
+              help="Draft tokens per step (0 = speculation off, -1 = adaptive K on embedded). "
+                   "Default: the engine's K. Implies --model tensorrt_llm_bls.")
 @click.option("--proposer", type=click.Choice(["draft", "ngram"]), default=None,
               help="Embedded deployments only: the draft model or n-gram prompt lookup (default: the engine's).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -38,9 +38,13 @@ from specbuild.client import DEFAULT_GRPC, DEFAULT_HTTP, Client
 @click.option("--grpc-url", default=None,
               help=f"gRPC endpoint. Default: the server `specbuild serve` started in --workdir, else {DEFAULT_GRPC}.")
 @workdir_option
+@click.option("--chat", is_flag=True, default=False,
+              help="Wrap the prompt as a user turn in the target's chat template (tokenizer from --workdir, "
+                   "or --tokenizer).")
+@click.option("--tokenizer", default=None, help="Tokenizer dir for --chat. Default: the deployment's in --workdir.")
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the answer.")
 def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, proposer, temperature, top_k, top_p,
-                  seed, protocol, model, url, grpc_url, workdir, timeout):
+                  seed, protocol, model, url, grpc_url, workdir, chat, tokenizer, timeout):
     """Send one prompt, print the tokens as they arrive, then the acceptance stats.
 
     \b
@@ -48,6 +52,7 @@ def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, prop
       specbuild infer --prompt "The capital of France is" --max-tokens 32
       specbuild infer --prompt "def fib(n):" --num-draft-tokens 4 --protocol grpc
       specbuild infer --prompt "Hello" --no-stream --num-draft-tokens 0
+      specbuild infer --chat --prompt "What is the capital of France?" --proposer ngram --num-draft-tokens 4
     """
     model = model or (contract.SPECULATIVE_MODEL if num_draft_tokens is not None else contract.ENSEMBLE_MODEL)
     if num_draft_tokens is not None and model != contract.SPECULATIVE_MODEL:
@@ -59,8 +64,15 @@ def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, prop
     url = url or (info.http_url if info else DEFAULT_HTTP)
     grpc_url = grpc_url or (info.grpc_url if info else DEFAULT_GRPC)
     client = Client(url=url, grpc_url=grpc_url, model=model, timeout=timeout)
-    params = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                  num_draft_tokens=num_draft_tokens, return_perf_metrics=True, proposer=proposer)
+    params = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                  seed=seed, num_draft_tokens=num_draft_tokens, return_perf_metrics=True, proposer=proposer)
+    if chat:
+        from pathlib import Path
+
+        from specbuild.loadtest import resolve_tokenizer
+        from specbuild.loadtests.tokens import TokenCounter
+
+        prompt = TokenCounter(resolve_tokenizer(tokenizer, Path(workdir))).chat(prompt)
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)

@@ -19,7 +19,9 @@ from specbuild.cli.options import workdir_option
               help="A named set of request fields; repeat for each run, the first is the baseline, e.g. "
                    "--setting off:num_draft_tokens=0 --setting ngram:num_draft_tokens=4,proposer=ngram. "
                    "Exclusive with --compare.")
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Triton HTTP endpoint.")
+@click.option("--url", default=None,
+              help="Triton HTTP endpoint. Default: the server `specbuild serve` started in --workdir (its gRPC and "
+                   "metrics ports too), else http://127.0.0.1:8000.")
 @click.option("--grpc-url", default=None, help="Triton gRPC host:port (default: the --url host, port 8001).")
 @click.option("--metrics-url", default=None,
               help="Triton metrics endpoint (default: the --url host, port 8002, /metrics); '' to skip.")
@@ -72,6 +74,14 @@ def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, mo
           --max-p95-ttft-ms 500 --max-error-rate 0.01
     """
     from specbuild.loadtest import LoadtestConfig, loadtest
+    from specbuild.serve import read_state
+
+    if url is None:
+        info = read_state(workdir)
+        url = info.http_url if info else "http://127.0.0.1:8000"
+        if info:
+            grpc_url = grpc_url or info.grpc_url
+            metrics_url = info.metrics_url if metrics_url is None else metrics_url
 
     cfg = LoadtestConfig(profiles=tuple(profiles), compare=compare, settings=tuple(settings), url=url.rstrip("/"), grpc_url=grpc_url,
                          metrics_url=metrics_url, model=model, protocol=protocol, tokenizer=tokenizer,

@@ -24,15 +24,10 @@ def _endpoint(workdir: Path, url: str | None) -> str:
 
 
 def _tokenizer(workdir: Path, tokenizer: str | None):
-    from transformers import AutoTokenizer
+    from specbuild.loadtest import resolve_tokenizer
+    from specbuild.loadtests.tokens import TokenCounter
 
-    candidates = [Path(tokenizer)] if tokenizer else [workdir / "engines" / "tokenizer", workdir / "engines" / "target",
-                                                      workdir / "checkpoints" / "target"]
-    for path in candidates:
-        if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(path)
-    raise UsageError(f"no tokenizer found in {', '.join(map(str, candidates))}; pass --tokenizer DIR "
-                     "(the target's Hugging Face directory).")
+    return TokenCounter(resolve_tokenizer(tokenizer, workdir))
 
 
 @click.command("verify")
@@ -58,10 +53,12 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
 @click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests in flight.")
 @click.option("--tokenizer", default=None, help="Tokenizer dir for re-tokenizing outputs. Default: from --workdir.")
+@click.option("--chat-template/--raw", "chat", default=True, show_default=True,
+              help="Send each prompt as a user turn in the target's chat template (instruct models), or raw.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Where to write the JSON report. Default: <workdir>/verify/report.json.")
 def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens, max_tokens, seeds, positions,
-                   temperature, alpha, concurrency, tokenizer, out):
+                   temperature, alpha, concurrency, tokenizer, chat, out):
     """Check that speculation changes nothing: greedy outputs token-identical with K and without, and the
     sampled distribution of the first positions unchanged. Exits 1 on any drift.
 
@@ -81,12 +78,11 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
     client = Client(url=endpoint, model=model)
 
     def generate(prompt, *, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed):
-        return client.generate(prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+        return client.generate(tok.chat(prompt) if chat else prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
                                temperature=temperature, top_k=top_k or None, top_p=top_p if top_p < 1 else None,
                                seed=seed).text
 
-    def tokenize(text):
-        return tok(text, add_special_tokens=False)["input_ids"]
+    tokenize = tok.ids
 
     report = verify(generate, tokenize, prompts=chosen or list(DEFAULT_PROMPTS), num_draft_tokens=num_draft_tokens,
                     max_tokens=max_tokens, sampling_seeds=seeds, positions=positions, temperature=temperature,

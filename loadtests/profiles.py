@@ -53,6 +53,8 @@ class Profile:
     top_p: float | None = None
     seed: int | None = None
     max_input_tokens: int = 512          # prompts are cut to this many tokens of the target's tokenizer
+    chat_template: bool = True           # wrap each prompt as a user turn in the target's chat template
+    fixed_output: bool = False           # send min_tokens = max_tokens: every request generates max_tokens
     return_perf_metrics: bool = True     # ask for acceptance_rate / accepted / drafted per response
     exclude_input_in_output: bool = True
     description: str = ""
@@ -107,6 +109,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_tokens": (int,), "prompt_set": (str, dict), "spawn_rate": (int, float), "wait_time": (list, int, float),
     "temperature": (int, float), "top_k": (int,), "top_p": (int, float), "seed": (int,),
     "max_input_tokens": (int,), "return_perf_metrics": (bool,), "exclude_input_in_output": (bool,),
+    "chat_template": (bool,), "fixed_output": (bool,),
 }
 _REQUIRED = ("users", "duration", "stream", "max_tokens", "prompt_set")
 

@@ -69,9 +69,10 @@ def prompt_set(name: str, seed: int = 0) -> list[str]:
 
 
 def build_prompts(mix: dict[str, int], *, count: int = 200, seed: int = 0, counter=None,
-                  max_input_tokens: int | None = None) -> list[str]:
+                  max_input_tokens: int | None = None, chat: bool = False) -> list[str]:
     """`count` prompts drawn from the weighted `mix` (set name -> weight), each cut to
-    `max_input_tokens` tokens of `counter` (a TokenCounter) when both are given."""
+    `max_input_tokens` tokens of `counter` (a TokenCounter) when both are given, and wrapped in the
+    target's chat template when `chat` (instruct models answer a bare question with an early EOS)."""
     rng = random.Random(seed)
     pools = {name: prompt_set(name, seed) for name in mix}
     for name, pool in pools.items():
@@ -84,5 +85,7 @@ def build_prompts(mix: dict[str, int], *, count: int = 200, seed: int = 0, count
         text = rng.choice(pools[rng.choices(names, weights)[0]])
         if counter is not None and max_input_tokens:
             text = counter.truncate(text, max_input_tokens)
+        if counter is not None and chat:
+            text = counter.chat(text)
         out.append(text)
     return out

@@ -90,12 +90,18 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
           proposer: str = "draft", num_draft_tokens: int | None = None, force: bool = False, dry_run: bool = False,
           trtllm_version: str | None = None, max_input_len: int | None = None, max_num_tokens: int | None = None,
           use_draft_logits: bool = False, tp: int = 1, pp: int = 1, container_tag: str | None = None,
+          adaptive_k: bool = False, spec_max_concurrency: int | None = None,
           progress: Callable[[str], None] | None = None) -> BuildResult:
     """Build `<workdir>/engines/` from `<workdir>/checkpoints/` with the chosen backend.
 
     `num_draft_tokens=None` makes the calibrated K the default K (embedded); `draft_quantize="int8"` stores the
     draft as int8 weight-only (with a draft == target checkpoint this is the demo "int8 self-draft").
+    `adaptive_k` lets each sequence choose its K from its own acceptance (requests may also send
+    num_draft_tokens=-1); `spec_max_concurrency` switches drafting off while more sequences run.
     """
+    if spec_max_concurrency is not None and spec_max_concurrency < 1:
+        raise UsageError(f"--spec-max-concurrency {spec_max_concurrency} must be >= 1 (leave it unset for "
+                         "speculation at every batch size).")
     _validate(backend=backend, max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_draft_len=max_draft_len,
               dtype=dtype, device=device, threads=threads, draft_quantize=draft_quantize, proposer=proposer,
               num_draft_tokens=num_draft_tokens, tp=tp, pp=pp)
@@ -104,6 +110,10 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
         "dtype": dtype, "device": device, "threads": threads, "draft_quantize": draft_quantize,
         "calibrate": calibrate, "proposer": proposer, "num_draft_tokens": num_draft_tokens,
     }
+    if adaptive_k:                      # only when set, so existing builds keep their fingerprint
+        options["adaptive_k"] = True
+    if spec_max_concurrency is not None:
+        options["spec_max_concurrency"] = spec_max_concurrency
     if backend == "trtllm":
         options.update({"trtllm_version": trtllm_version, "max_input_len": max_input_len,
                         "max_num_tokens": max_num_tokens, "use_draft_logits": use_draft_logits,

@@ -9,7 +9,8 @@ The names, dtypes and dims are those of the upstream TensorRT-LLM Triton backend
 TensorRT-LLM 0.18): dims exclude the batch dimension (the models have `max_batch_size > 0`).
 
 - `ENSEMBLE_MODEL` ("ensemble") is plain generation; it streams when `stream=true` (decoupled).
-- `SPECULATIVE_MODEL` ("tensorrt_llm_bls") additionally takes `num_draft_tokens` (0 = speculation off)
+- `SPECULATIVE_MODEL` ("tensorrt_llm_bls") additionally takes `num_draft_tokens` (0 = speculation off;
+  on the embedded backend -1 = adaptive K, chosen per sequence from its acceptance)
   and `use_draft_logits`. On TensorRT-LLM this path is non-streaming, one request per call, and the
   whole TensorRT-LLM draft-target deployment is non-decoupled (nothing streams, the ensemble included);
   the embedded deployment streams. See docs/deploying-on-gpus.md.

@@ -192,6 +192,8 @@ def input_budget(profile, max_seq_len: int | None, margin: int = 8) -> int:
     """Prompt tokens allowed: the profile's max_input_tokens, capped so prompt + max_tokens fits the engine."""
     if max_seq_len is None:
         return profile.max_input_tokens
+    if getattr(profile, "chat_template", False):
+        margin += 64   # the template's own tokens (roles, default system prompt) come on top
     room = max_seq_len - profile.max_tokens - margin
     if room < 1:
         raise UsageError(f"profile {profile.name!r}: max_tokens {profile.max_tokens} leaves no room for a prompt "
@@ -242,10 +244,12 @@ def loadtest(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None)
                         + list(cfg.extra))
     if cfg.protocol == "grpc":
         target.check_grpc(grpc_url, model)
-    optional = {"stream", "temperature", "top_k", "top_p", "seed", "return_perf_metrics", "exclude_input_in_output"}
+    optional = {"stream", "temperature", "top_k", "top_p", "seed", "return_perf_metrics", "exclude_input_in_output",
+                "min_tokens"}
     dropped = sorted(n for n in optional if n not in info.inputs)
     prompts = {p.name: promptsets.build_prompts(p.prompt_set, count=200, seed=cfg.seed, counter=counter,
-                                                max_input_tokens=budgets[p.name]) for p in profiles}
+                                                max_input_tokens=budgets[p.name], chat=p.chat_template)
+               for p in profiles}
     report: dict[str, Any] = {
         "schema": 1, "url": cfg.url, "model": model, "protocol": cfg.protocol, "compare": cfg.compare,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer": str(counter.path),
@@ -323,6 +327,8 @@ def _payload(profile, extra: dict[str, Any], dropped: list[str]) -> dict[str, An
     for key in ("top_k", "top_p", "seed"):
         if getattr(profile, key) is not None:
             payload[key] = getattr(profile, key)
+    if profile.fixed_output:
+        payload["min_tokens"] = profile.max_tokens
     payload.update(extra)
     return {k: v for k, v in payload.items() if k not in dropped}
 

@@ -14,7 +14,7 @@ export SPECBUILD_WORKDIR="$WORKDIR"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 step "1/8 check the pair (same tokenizer, vocab, architecture, sizes)"
-"$SB" check --target "$MODEL" --draft "$MODEL" || true   # same model twice: warns that the draft is not smaller
+"$SB" check --target "$MODEL" --draft "$MODEL"   # the same model twice: warns that the draft is not smaller
 
 step "2/8 convert (normalized safetensors + manifests)"
 "$SB" convert --target "$MODEL" --draft "$MODEL"
@@ -28,17 +28,15 @@ step "4/8 deploy the Triton model repository"
 step "5/8 serve (tritonserver from the nvidia-pytriton wheel, 127.0.0.1)"
 "$SB" serve --background --http-port "$HTTP_PORT" --grpc-port $((HTTP_PORT + 1)) --metrics-port $((HTTP_PORT + 2))
 trap '"$SB" stop || true' EXIT
-URL="http://127.0.0.1:$HTTP_PORT"
 
 step "6/8 one streamed request with speculation"
-"$SB" infer --url "$URL" --grpc-url "127.0.0.1:$((HTTP_PORT + 1))" --prompt "What is the capital of France?" \
-  --num-draft-tokens 4 --max-tokens 48
+"$SB" infer --chat --prompt "What is the capital of France?" --num-draft-tokens 4 --max-tokens 48
 
 step "7/8 verify: greedy identical with and without speculation; sampled distribution unchanged"
-"$SB" verify --url "$URL" -k 4 --max-tokens 32 --seeds 100 --positions 3
+"$SB" verify -k 4 --max-tokens 32 --seeds 100 --positions 3
 
 step "8/8 load tests: chat and batch, speculation off / int8 draft / n-gram"
-"$SB" loadtest --url "$URL" --profile chat --profile batch \
+"$SB" loadtest --profile chat --profile batch \
   --setting off:num_draft_tokens=0 --setting draft:num_draft_tokens=4,proposer=draft \
   --setting ngram:num_draft_tokens=4,proposer=ngram \
   --duration "$DEMO_DURATION" --max-tokens 64 --out "$WORKDIR/report"

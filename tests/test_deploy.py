@@ -155,7 +155,7 @@ def test_parse_request_maps_the_contract():
     ({"text_input": "hi", "max_tokens": -3}, "max_tokens must be > 0"),
     ({"text_input": "hi", "max_tokens": 500}, "beyond the engine's max sequence length 128"),
     ({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": 5}, "above the built maximum 4"),
-    ({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": -1}, "num_draft_tokens must be >= 0"),
+    ({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": -2}, "num_draft_tokens must be >= 0"),
     ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be >= 0"),
     ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in"),
     ({"text_input": "hi", "max_tokens": 4, "top_k": -2}, "top_k must be >= 0"),

@@ -251,8 +251,9 @@ def test_chat_and_batch_speculation_on_vs_off_report(embedded, tmp_path):
 
     max_seq_len = deployment_max_seq_len(embedded.deployment)
     assert data["status"] == "ok" and data["model"] == "tensorrt_llm_bls" and data["max_seq_len"] == max_seq_len
-    assert data["max_input_tokens"] == {"chat": min(256, max_seq_len - 16 - 8),
-                                        "batch": min(1024, max_seq_len - 16 - 8)}
+    # prompt budget = max_seq_len - max_tokens - 8, minus 64 for the chat template both profiles apply
+    assert data["max_input_tokens"] == {"chat": min(256, max_seq_len - 16 - 8 - 64),
+                                        "batch": min(1024, max_seq_len - 16 - 8 - 64)}
     cells = {(c["profile"], c["setting"]): c for c in data["cells"]}
     assert set(cells) == {(p, f"num_draft_tokens={k}") for p in ("chat", "batch") for k in (0, 4)}
     for (profile, setting), c in cells.items():

@@ -3,6 +3,7 @@ parsing, the report (real matplotlib) and the CLI's refusals before any load is 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import socket
@@ -94,7 +95,9 @@ def test_parse_compare_and_input_budget():
             parse_compare(bad)
     chat = load_profile("chat").with_overrides(max_tokens=32)
     assert input_budget(chat, None) == chat.max_input_tokens
-    assert input_budget(chat, 256) == 256 - 32 - 8
+    assert input_budget(chat, 256) == 256 - 32 - 8 - 64          # 64 tokens kept for the chat template
+    raw = dataclasses.replace(chat, chat_template=False)
+    assert input_budget(raw, 256) == 256 - 32 - 8
     with pytest.raises(UsageError, match="smaller --max-tokens"):
         input_budget(chat.with_overrides(max_tokens=256), 256)
 
@@ -214,3 +217,26 @@ def test_cli_refuses_before_any_load(tmp_path, tiny_tokenizer):
     assert r.exit_code == 2 and "at least two distinct values" in r.output
     assert not out.exists()
     assert "Example:" in runner.invoke(cli, ["loadtest", "--help"]).output
+
+
+def test_parse_settings_names_and_fields():
+    from specbuild.loadtest import parse_settings
+
+    assert parse_settings(["off:num_draft_tokens=0", "ngram:num_draft_tokens=4,proposer=ngram"]) == [
+        ("off", {"num_draft_tokens": 0}), ("ngram", {"num_draft_tokens": 4, "proposer": "ngram"})]
+    for bad in (["off"], ["a:k"], ["a:k=1", "a:k=2"], ["a:k=1"], ["a:=1", "b:k=2"]):
+        with pytest.raises(UsageError):
+            parse_settings(bad)
+
+
+def test_chat_template_wraps_prompts_and_fixed_output_sets_min_tokens(tiny_tokenizer):
+    from specbuild.loadtest import _payload
+
+    counter = TokenCounter(tiny_tokenizer)
+    wrapped = promptsets.build_prompts({"chat": 1}, count=3, seed=1, counter=counter, max_input_tokens=40, chat=True)
+    plain = promptsets.build_prompts({"chat": 1}, count=3, seed=1, counter=counter, max_input_tokens=40)
+    for w, p in zip(wrapped, plain):
+        assert w == f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n"
+    chat = load_profile("chat").with_overrides(max_tokens=32)
+    assert chat.fixed_output and _payload(chat, {}, [])["min_tokens"] == 32
+    assert "min_tokens" not in _payload(dataclasses.replace(chat, fixed_output=False), {}, [])

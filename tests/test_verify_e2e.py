@@ -34,3 +34,29 @@ def test_verify_without_a_server_says_how_to_start_one(tmp_path):
     result = CliRunner().invoke(cli, ["verify", "--workdir", str(tmp_path), "--seeds", "0"])
     assert result.exit_code != 0
     assert "specbuild serve --background" in result.output
+
+
+def test_verify_catches_a_deliberately_broken_acceptor(tmp_path_factory, tiny_llama, tiny_llama_draft, tmp_path):
+    """The same deployment with the test-only rule "unsafe-always-accept" (every drafted token kept, the
+    target's verdict ignored): an unrelated draft then changes the output, and verify must exit non-zero."""
+    from servers import ServerHandle, deploy_tiny, serve_options
+
+    from specbuild import serve
+
+    workdir = deploy_tiny(tmp_path_factory.mktemp("broken"), tiny_llama, tiny_llama_draft)
+    cfg_path = workdir / "engines" / "engine_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["acceptance_rule"] = "unsafe-always-accept"
+    cfg_path.write_text(json.dumps(cfg))
+    opts = serve_options()
+    handle = ServerHandle(workdir, opts, serve.start(workdir, opts))
+    try:
+        result, out = _verify(handle, tmp_path, "--seeds", "0")
+    finally:
+        handle.stop()
+    assert result.exit_code == 1, result.output
+    assert "DIVERGES at token" in result.output
+    report = json.loads(out.read_text())
+    assert report["ok"] is False
+    bad = [c for c in report["greedy"] if not c["identical"]]
+    assert bad and all(c["first_divergence"] is not None and c["context"] for c in bad)

@@ -71,6 +71,8 @@ def _engine_config(opts: dict[str, Any], *, has_draft: bool, default_k: int, cal
         "threads": opts["threads"], "default_num_draft_tokens": default_k,
         "default_proposer": opts["proposer"], "draft_quantize": opts["draft_quantize"],
         "calibration": calibration,
+        "adaptive_k": bool(opts.get("adaptive_k", False)),
+        "spec_max_concurrency": opts.get("spec_max_concurrency"),
     }
 
 

@@ -104,8 +104,9 @@ def parse_request(get: Callable[[str], np.ndarray | None], limits: Limits) -> Pa
     stop = tuple(s for s in stop if s)
     k = _scalar(get, "num_draft_tokens", "int", None)
     if k is not None:
-        if k < 0:
-            raise BadRequest(f"num_draft_tokens must be >= 0 (got {k}); 0 turns speculation off.")
+        if k < -1:
+            raise BadRequest(f"num_draft_tokens must be >= 0, or -1 for adaptive K (got {k}); "
+                             "0 turns speculation off.")
         if k > limits.max_draft_len:
             raise BadRequest(f"num_draft_tokens={k} is above the built maximum {limits.max_draft_len}; "
                              f"send at most {limits.max_draft_len} or rebuild with a larger --max-draft-len.")
