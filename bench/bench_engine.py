@@ -54,7 +54,6 @@ def bandwidth_gbs(runs: int) -> dict:
     y = torch.empty_like(x)
     t_sum = time_interleaved({"sum": lambda: x.sum(), "copy": lambda: y.copy_(x)}, reps=max(runs, 3), warmup=1)
     nbytes = x.numel() * 4
-    del x, y
     return {"read_gbs": nbytes / t_sum["sum"] / 1e9, "copy_gbs": 2 * nbytes / t_sum["copy"] / 1e9}
 
 

@@ -32,7 +32,8 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
 
 @click.command("verify")
 @workdir_option
-@click.option("--url", default=None, help="HTTP endpoint. Default: the server started by `specbuild serve` in --workdir.")
+@click.option("--url", default=None,
+              help="HTTP endpoint. Default: the server started by `specbuild serve` in --workdir.")
 @click.option("--model", default=contract.SPECULATIVE_MODEL, show_default=True,
               help="Client-facing model that takes num_draft_tokens.")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt to check (repeatable). Default: a built-in set.")
@@ -78,7 +79,8 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
     client = Client(url=endpoint, model=model)
 
     def generate(prompt, *, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed):
-        return client.generate(tok.chat(prompt) if chat else prompt, max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+        return client.generate(tok.chat(prompt) if chat else prompt, max_tokens=max_tokens,
+                               num_draft_tokens=num_draft_tokens,
                                temperature=temperature, top_k=top_k or None, top_p=top_p if top_p < 1 else None,
                                seed=seed).text
 

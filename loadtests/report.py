@@ -142,7 +142,7 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    lines = [f"# Load test report", "", f"- target: `{report['url']}` model `{report['model']}` "
+    lines = ["# Load test report", "", f"- target: `{report['url']}` model `{report['model']}` "
              f"over {report['protocol']}", f"- started: {report['started']}",
              f"- status: {report['status']}", ""]
     lines += ["## Latency and throughput", "",

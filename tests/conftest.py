@@ -7,6 +7,19 @@ import pytest
 from tinymodels import make_checkpoint, make_tokenizer
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Engine tests on tiny models: one intra-op thread is faster, and on a shared 2-core box OpenMP threads
+    spinning against other processes make them 10-30x slower. Use with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory) -> Path:
     return make_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")

@@ -11,7 +11,6 @@ import json
 import logging
 
 import pytest
-import torch
 
 from specbuild.engines.embedded import Engine, EngineLimitError, SamplingParams
 from specbuild.engines.embedded.adaptive import (ADAPTIVE_K, AcceptanceTracker, AdaptivePolicy, CostModel,
@@ -25,12 +24,7 @@ CALIBRATION = {"proposer": "draft", "t_target_s": 0.04, "t_draft_s": 0.012, "alp
                "t_verify_s": {"1": 0.046, "2": 0.048, "3": 0.050, "4": 0.052}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- the policy: pure functions ------------------------------------------------------------------

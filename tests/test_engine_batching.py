@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from specbuild.engines.embedded import Engine, EngineLimitError, SamplingParams, StreamDelta
@@ -20,14 +19,7 @@ MIX = [(0, 20, 3, "draft", 0.0, None), (1, 12, 0, "draft", 0.0, None), (2, 18, 5
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and on a shared 2-core box OpenMP threads spinning
-    against other processes make these tests 10-30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def eng(tiny_llama, tiny_llama_draft):

@@ -16,14 +16,7 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and on a shared 2-core box OpenMP threads spinning
-    against other processes make these tests 10-30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def eng(tiny_llama, tiny_llama_draft):

@@ -86,7 +86,7 @@ def test_tritonbin_prepares_stub_and_env(tmp_path):
 def test_start_status_stop(workdir):
     opts = serve_options()
     info = serve.start(workdir, opts)
-    assert info.host == "127.0.0.1" and f"--http-address" in info.argv
+    assert info.host == "127.0.0.1" and "--http-address" in info.argv
     r = httpx.post(f"{info.http_url}/v2/models/echo/generate", json={"text_input": "héllo"}, timeout=30)
     assert r.status_code == 200 and r.json()["text_output"] == "héllo"
     st = serve.status(workdir)

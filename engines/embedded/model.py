@@ -250,3 +250,22 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
         idx = torch.tensor([b * T + t for b, n in enumerate(lens) for t in range(n)], device=device)
     out = model(tokens, meta, cache, idx)
     return None if logits == "none" else out
+
+
+class CachedRunner:
+    """A model with its own KV cache: the shared base of the target scorer and the draft proposer."""
+
+    length_attr = ""   # the Sequence field counting this model's cached positions
+
+    def __init__(self, model: Transformer, cache, device):
+        self.model, self.cache, self.device = model, cache, device
+
+    @torch.inference_mode()
+    def prefill(self, seqs) -> None:
+        """Cache every prompt but its last token (the next step feeds it); one ragged forward for all."""
+        todo = [s for s in seqs if len(s.tokens) > 1]
+        if todo:
+            ragged_forward(self.model, self.cache, [s.slot for s in todo], [0] * len(todo),
+                           [s.tokens[:-1] for s in todo], "none", self.device)
+        for s in seqs:
+            setattr(s, self.length_attr, len(s.tokens) - 1)

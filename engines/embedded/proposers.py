@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specbuild.engines.embedded.kvcache import KVCache
-from specbuild.engines.embedded.model import Transformer, ragged_forward
+from specbuild.engines.embedded.model import CachedRunner, ragged_forward
 from specbuild.engines.embedded.sampling import processed_probs, sample
 
 
@@ -56,19 +55,8 @@ class NgramProposer:
         return [self.propose_one(s.tokens, k) for s, k in zip(seqs, ks)]
 
 
-class DraftModelProposer:
-    def __init__(self, model: Transformer, cache: KVCache, device):
-        self.model, self.cache, self.device = model, cache, device
-
-    @torch.inference_mode()
-    def prefill(self, seqs) -> None:
-        """Cache each prompt but its last token (fed by the first propose); one forward for all."""
-        todo = [s for s in seqs if len(s.tokens) > 1]
-        if todo:
-            ragged_forward(self.model, self.cache, [s.slot for s in todo], [0] * len(todo),
-                           [s.tokens[:-1] for s in todo], "none", self.device)
-        for s in seqs:
-            s.draft_len = len(s.tokens) - 1
+class DraftModelProposer(CachedRunner):
+    length_attr = "draft_len"
 
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int]) -> list[Proposal]:

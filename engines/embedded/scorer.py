@@ -10,23 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from specbuild.engines.embedded.kvcache import KVCache
-from specbuild.engines.embedded.model import Transformer, ragged_forward
+from specbuild.engines.embedded.model import CachedRunner, ragged_forward
 
 
-class TargetScorer:
-    def __init__(self, model: Transformer, cache: KVCache, device):
-        self.model, self.cache, self.device = model, cache, device
-
-    @torch.inference_mode()
-    def prefill(self, seqs) -> None:
-        """Cache each prompt but its last token (fed by the first verify step); one forward for all."""
-        todo = [s for s in seqs if len(s.tokens) > 1]
-        if todo:
-            ragged_forward(self.model, self.cache, [s.slot for s in todo], [0] * len(todo),
-                           [s.tokens[:-1] for s in todo], "none", self.device)
-        for s in seqs:
-            s.target_len = len(s.tokens) - 1
+class TargetScorer(CachedRunner):
+    length_attr = "target_len"
 
     @torch.inference_mode()
     def score(self, seqs, drafts: list[list[int]]) -> list[torch.Tensor]:
