@@ -6,6 +6,29 @@ import click
 
 from specbuild.cli.options import backend_option, dry_run_option, force_option, workdir_option
 from specbuild.deploy import deploy
+from specbuild.errors import UsageError
+
+# --flag -> (option key of engines/trtllm/settings.py, click type, help)
+TRTLLM_OPTIONS = {
+    "trtllm_version": (str, "TensorRT-LLM version (default: as built / installed)."),
+    "container_tag": (str, "TensorRT-LLM Triton container tag (default: the pinned one for the version)."),
+    "target_gpu_ids": (str, "GPU ids of the target, e.g. 0 or 1,2 (default: 0..tp*pp-1)."),
+    "draft_gpu_ids": (str, "GPU ids of the draft (default: 0..draft_tp-1; sharing the target's GPU is fine)."),
+    "kv_cache_free_gpu_mem_fraction": (float, "Target KV-cache fraction of free GPU memory "
+                                              "(default 0.5 when both models share a GPU, else 0.9)."),
+    "draft_kv_cache_free_gpu_mem_fraction": (float, "Draft KV-cache fraction (default 0.2 shared, else 0.9)."),
+    "bls_instance_count": (int, "tensorrt_llm_bls instances (default: max batch size)."),
+    "backend_models_dir": (str, "Where the container keeps upstream's Python models (default /app/all_models)."),
+}
+
+
+def _trtllm_options(f):
+    for key, (typ, help_text) in reversed(list(TRTLLM_OPTIONS.items())):
+        f = click.option(f"--{key.replace('_', '-')}", key, type=typ, default=None,
+                         help=f"{help_text} (trtllm only)")(f)
+    return click.option("--fast-logits", is_flag=True, default=False,
+                        help="Speculative-decoding fast logits: draft logits passed by MPI, participant_ids "
+                             "and world size set (trtllm engine path only).")(f)
 
 
 @click.command("deploy")
@@ -17,9 +40,10 @@ from specbuild.deploy import deploy
               help="Where the embedded engine runs: cpu, cuda or cuda:N (embedded only). Default: as built.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="torch CPU threads of the engine (0 = torch's default; embedded only).")
+@_trtllm_options
 @dry_run_option
 @force_option
-def deploy_command(workdir, backend, max_batch_size, device, threads, dry_run, force):
+def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logits, dry_run, force, **trtllm):
     """Package WORKDIR/engines/ into a Triton model repository in WORKDIR/model_repository/.
 
     The client-facing models are `ensemble` and `tensorrt_llm_bls` (upstream names and
@@ -31,9 +55,16 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, dry_run, f
       specbuild deploy
       specbuild deploy --workdir /data/work --threads 8
       specbuild deploy --dry-run
+      specbuild deploy --backend trtllm --target-gpu-ids 0 --draft-gpu-ids 0 --fast-logits --dry-run
     """
+    extra = {k: v for k, v in trtllm.items() if v is not None}
+    if fast_logits:
+        extra["fast_logits"] = True
+    if extra and backend != "trtllm":
+        flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        raise UsageError(f"{flags} apply to --backend trtllm only.")
     result = deploy(workdir=workdir, backend=backend, max_batch_size=max_batch_size, device=device,
-                    threads=threads, force=force, dry_run=dry_run,
+                    threads=threads, force=force, dry_run=dry_run, extra_options=extra or None,
                     progress=lambda m: click.echo(m, err=True))
     if result.plan is not None:
         click.echo("\n".join(step.render() for step in result.plan))

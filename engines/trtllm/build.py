@@ -20,7 +20,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from specbuild.errors import CheckFailed
+from specbuild.errors import CheckFailed, UsageError
 from specbuild.stage import PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm.checks import read_json, validate_engine_config
@@ -58,7 +58,13 @@ def trtllm_build_argv(s: Settings, role: str, checkpoint_dir: Path, output_dir: 
 
 
 def _dtype(options: dict[str, Any], s: Settings, role: str) -> str:
-    return resolve_dtype(s.dtype, hf_config(source_dir(options, role)))
+    if s.dtype != "auto":
+        return s.dtype
+    try:
+        config = hf_config(source_dir(options, role))
+    except UsageError:   # a dry run before convert ran: the checkpoint's dtype is not known yet
+        config = {}
+    return resolve_dtype(s.dtype, config)
 
 
 def _yaml_scalar(value: Any) -> str:
