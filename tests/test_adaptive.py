@@ -14,8 +14,8 @@ import pytest
 
 from specbuild.engines.embedded import Engine, EngineLimitError, SamplingParams
 from specbuild.engines.embedded.adaptive import (ADAPTIVE_K, AcceptanceTracker, AdaptivePolicy, CostModel,
-                                                 choose_k, cost_models, crossover_concurrency, fit_verify_curve,
-                                                 predicted_speedup, prior_alphas)
+                                                 choose_batch_k, choose_k, cost_models, crossover_concurrency,
+                                                 fit_verify_curve, predicted_speedup, prior_alphas)
 from specbuild.engines.embedded.calibrate import predicted_speedup as calibrated_speedup
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]
@@ -257,3 +257,15 @@ def test_build_dir_keys_kwargs_override_and_bad_values(tmp_path, tiny_llama, tin
     with pytest.raises(EngineLimitError, match="no draft model"):
         Engine.from_checkpoints(tiny_llama, max_seq_len=64).generate("x", GREEDY, num_draft_tokens=-1,
                                                                      proposer="draft")
+
+
+def test_batch_k_is_one_k_for_the_step_and_weighs_every_sequence():
+    cost = CostModel(cost_ratio=0.3, verify_intercept=0.1, verify_slope=0.05)
+    solo = choose_k(0.95, cost, 8)
+    assert choose_batch_k([0.95], [8], cost) == solo
+    # a hopeless sequence beside a good one pulls the shared K down, never up
+    mixed = choose_batch_k([0.95, 0.05], [8, 8], cost)
+    assert 0 < mixed <= solo
+    assert choose_batch_k([0.05, 0.05, 0.05], [8, 8, 8], cost) == 0
+    assert choose_batch_k([0.99, 0.99], [2, 8], cost) >= 2           # caps bound each sequence, not the choice
+    assert choose_batch_k([], [], cost) == 0

@@ -167,6 +167,25 @@ class AcceptanceTracker:
         return k
 
 
+def choose_batch_k(alphas: list[float], caps: list[int], cost: CostModel) -> int:
+    """One K for the adaptive sequences sharing a batched step.
+
+    A batched step drafts as many times as its largest K and verifies padded to it, so per-sequence choices
+    make the whole batch pay for the most optimistic sequence. Instead pick the K maximizing the batch's
+    expected tokens per unit of step cost: sum_i E_i(min(K, cap_i)) / cost(K), over K in [0, max(caps)].
+
+    Example: alphas [0.9, 0.1] with c = 0.3 -> a small K (the second sequence gains nothing from drafting).
+    """
+    if not alphas:
+        return 0
+    best_k, best = 0, float(len(alphas))          # K = 0: one token each at cost 1
+    for k in range(1, max(caps) + 1):
+        gain = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(alphas, caps)) / cost.cost(k)
+        if gain > best + 1e-12:
+            best_k, best = k, gain
+    return best_k
+
+
 def crossover_concurrency(speedup_by_batch: dict[int, float]) -> int | None:
     """The lowest measured batch size where speculation's speedup is below 1.0 (None: it paid everywhere).
     `spec_max_concurrency` = crossover - 1 keeps drafting only where it was measured to pay.

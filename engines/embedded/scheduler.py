@@ -28,7 +28,7 @@ import torch
 
 from specbuild.engines.embedded.acceptor import (EXACT, UNSAFE_ALWAYS_ACCEPT, Accepted, always_accept,
                                                  greedy_accept, rejection_accept)
-from specbuild.engines.embedded.adaptive import CostModel, cost_models, prior_alphas
+from specbuild.engines.embedded.adaptive import CostModel, choose_batch_k, cost_models, prior_alphas
 from specbuild.engines.embedded.kvcache import SlotAllocator
 from specbuild.engines.embedded.proposers import DraftModelProposer, NgramProposer, Proposal
 from specbuild.engines.embedded.sampling import processed_probs, sample
@@ -112,6 +112,7 @@ class Scheduler:
         if cutoff:
             self.cutoff_steps_total += 1
         ks = [self._effective_k(s, cutoff) for s in seqs]
+        self._share_adaptive_k(seqs, ks)
         t0 = self.clock()
         proposals = self._propose(seqs, ks)
         t1 = self.clock()
@@ -172,6 +173,23 @@ class Scheduler:
         if s.adaptive is not None:
             k = s.adaptive.next_k(self.costs[s.proposer], k)
         return k
+
+    def _share_adaptive_k(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """With several adaptive sequences of one proposer in the step, give them one batch-optimal K
+        (`adaptive.choose_batch_k`) instead of each its own, which would make the batch pay for the largest."""
+        for proposer, cost in self.costs.items():
+            idx = [i for i, s in enumerate(seqs) if s.adaptive is not None and s.proposer == proposer
+                   and s.num_draft_tokens > 0]
+            if len(idx) < 2:
+                continue
+            caps = [max(0, min(seqs[i].num_draft_tokens, seqs[i].params.max_tokens - seqs[i].num_generated - 1))
+                    for i in idx]
+            if not any(ks[i] for i in idx):
+                continue                       # every one chose (or was cut off to) K = 0
+            k = choose_batch_k([seqs[i].adaptive.alpha for i in idx], caps, cost)
+            for i, cap in zip(idx, caps):
+                ks[i] = min(k, cap)
+                seqs[i].adaptive.history[-1:] = [ks[i]]
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         out = [Proposal([]) for _ in seqs]
