@@ -41,9 +41,19 @@ def _trtllm_options(f):
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="torch CPU threads of the engine (0 = torch's default; embedded only).")
 @_trtllm_options
+@click.option("--kubernetes", is_flag=True, default=False,
+              help="Also write WORKDIR/kubernetes/ (Deployment with health probes and Prometheus annotations, "
+                   "Service). The pod mounts the workspace PVC at the same absolute path.")
+@click.option("--image", default=None,
+              help="Container image for --kubernetes (default for trtllm: the recipe's container; required for "
+                   "embedded: an image with tritonserver and specbuild installed).")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, help="Pods for --kubernetes.")
+@click.option("--pvc", default="specbuild-work", show_default=True,
+              help="PersistentVolumeClaim holding the workspace, for --kubernetes.")
 @dry_run_option
 @force_option
-def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logits, dry_run, force, **trtllm):
+def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logits, kubernetes, image, replicas, pvc,
+                   dry_run, force, **trtllm):
     """Package WORKDIR/engines/ into a Triton model repository in WORKDIR/model_repository/.
 
     The client-facing models are `ensemble` and `tensorrt_llm_bls` (upstream names and
@@ -56,7 +66,11 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
       specbuild deploy --workdir /data/work --threads 8
       specbuild deploy --dry-run
       specbuild deploy --backend trtllm --target-gpu-ids 0 --draft-gpu-ids 0 --fast-logits --dry-run
+      specbuild deploy --kubernetes --image registry.example.com/specbuild:0.1 --replicas 2
     """
+    if kubernetes and backend == "embedded" and not image:
+        raise UsageError("--kubernetes with the embedded backend needs --image: an image with tritonserver and "
+                         "specbuild installed (e.g. built FROM nvcr.io/nvidia/tritonserver:<yy.mm>-py3).")
     extra = {k: v for k, v in trtllm.items() if v is not None}
     if fast_logits:
         extra["fast_logits"] = True
@@ -72,4 +86,9 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
     state = "up to date (nothing to do)" if result.skipped else "deployed"
     click.echo(f"{state} in {result.seconds:.1f}s: {result.out_dir}")
     click.echo(f"  models: {', '.join(result.manifest.get('outputs', {}).get('models', []))}")
+    if kubernetes:
+        from specbuild.kubernetes import write
+
+        out = write(workdir, image=image, name="specbuild", claim=pvc, replicas=replicas)
+        click.echo(f"  kubernetes: {out} (kubectl apply -f {out})")
     click.echo(f"  next: specbuild serve --workdir {workdir}")
