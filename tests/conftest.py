@@ -20,6 +20,14 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def eng_self(tiny_llama):
+    """An embedded engine whose draft is the target itself: every draft is accepted."""
+    from specbuild.engines.embedded import Engine
+
+    return Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory) -> Path:
     return make_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")

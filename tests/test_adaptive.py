@@ -110,11 +110,6 @@ def eng(tiny_llama, tiny_llama_draft):
 
 
 @pytest.fixture(scope="module")
-def eng_self(tiny_llama):
-    return Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
-
-
-@pytest.fixture(scope="module")
 def plain(eng):
     return {p: eng.generate(p, GREEDY, num_draft_tokens=0) for p in PROMPTS}
 
