@@ -58,12 +58,10 @@ def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, prop
     if num_draft_tokens is not None and model != contract.SPECULATIVE_MODEL:
         raise click.UsageError(f"--num-draft-tokens needs --model {contract.SPECULATIVE_MODEL} "
                                f"({model} uses the engine's default K).")
-    from specbuild.serve import read_state
+    from specbuild.serve import endpoints
 
-    info = read_state(workdir) if not (url and grpc_url) else None
-    url = url or (info.http_url if info else DEFAULT_HTTP)
-    grpc_url = grpc_url or (info.grpc_url if info else DEFAULT_GRPC)
-    client = Client(url=url, grpc_url=grpc_url, model=model, timeout=timeout)
+    where = endpoints(workdir, url, grpc_url)
+    client = Client(url=where.http, grpc_url=where.grpc, model=model, timeout=timeout)
     params = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                   seed=seed, num_draft_tokens=num_draft_tokens, return_perf_metrics=True, proposer=proposer)
     if chat:

@@ -74,14 +74,10 @@ def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, mo
           --max-p95-ttft-ms 500 --max-error-rate 0.01
     """
     from specbuild.loadtest import LoadtestConfig, loadtest
-    from specbuild.serve import read_state
+    from specbuild.serve import endpoints
 
-    if url is None:
-        info = read_state(workdir)
-        url = info.http_url if info else "http://127.0.0.1:8000"
-        if info:
-            grpc_url = grpc_url or info.grpc_url
-            metrics_url = info.metrics_url if metrics_url is None else metrics_url
+    where = endpoints(workdir, url, grpc_url, metrics_url)
+    url, grpc_url, metrics_url = where.http, where.grpc, where.metrics
 
     cfg = LoadtestConfig(profiles=tuple(profiles), compare=compare, settings=tuple(settings), url=url.rstrip("/"), grpc_url=grpc_url,
                          metrics_url=metrics_url, model=model, protocol=protocol, tokenizer=tokenizer,

@@ -12,15 +12,13 @@ from specbuild.errors import UsageError
 
 
 def _endpoint(workdir: Path, url: str | None) -> str:
-    if url:
-        return url
-    from specbuild.serve import read_state
+    from specbuild.serve import endpoints
 
-    info = read_state(workdir)
-    if info is None:
+    where = endpoints(workdir, url)
+    if not url and not where.recorded:
         raise UsageError(f"no server recorded in {workdir}/server/; start one with `specbuild serve --background "
                          f"--workdir {workdir}` or pass --url of a running deployment.")
-    return info.http_url
+    return where.http
 
 
 def _tokenizer(workdir: Path, tokenizer: str | None):

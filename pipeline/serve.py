@@ -155,6 +155,31 @@ def read_state(workdir) -> ServerInfo | None:
         return None
 
 
+@dataclass(frozen=True)
+class Endpoints:
+    http: str
+    grpc: str
+    metrics: str
+    recorded: bool          # True when they come from the server `specbuild serve` recorded in the workdir
+
+
+def endpoints(workdir, url: str | None = None, grpc_url: str | None = None,
+              metrics_url: str | None = None) -> Endpoints:
+    """Where clients reach the deployment: an explicit --url (gRPC and metrics on its host, ports 8001/8002,
+    unless given too); else the server `specbuild serve` recorded in `workdir`; else 127.0.0.1:8000/8001/8002."""
+    from urllib.parse import urlsplit
+
+    info = None if url else read_state(workdir)
+    if info is not None:
+        return Endpoints(info.http_url, grpc_url or info.grpc_url,
+                         info.metrics_url if metrics_url is None else metrics_url, recorded=True)
+    url = (url or "http://127.0.0.1:8000").rstrip("/")
+    host = urlsplit(url).hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return Endpoints(url, grpc_url or f"{host}:8001",
+                     f"http://{host}:8002/metrics" if metrics_url is None else metrics_url, recorded=False)
+
+
 def build_argv(binary: Path, repository: Path, backend_dir: Path, opts: ServeOptions) -> list[str]:
     h = opts.host
     return [str(binary), "--model-repository", str(repository), "--backend-directory", str(backend_dir),

@@ -136,14 +136,10 @@ def plan_settings(ks: tuple[int, ...], proposers: tuple[str, ...] | None) -> lis
 
 def resolve_server(cfg: TuneConfig) -> tuple[str, str | None]:
     """(HTTP URL, metrics URL): --url, else the server `specbuild serve` started from --workdir, else :8000."""
-    if cfg.url:
-        return cfg.url.rstrip("/"), cfg.metrics_url
-    from specbuild.serve import read_state
+    from specbuild.serve import endpoints
 
-    info = read_state(cfg.workdir)
-    if info is not None:
-        return info.http_url, cfg.metrics_url if cfg.metrics_url is not None else info.metrics_url
-    return "http://127.0.0.1:8000", cfg.metrics_url
+    where = endpoints(cfg.workdir, cfg.url, metrics_url=cfg.metrics_url)
+    return where.http, where.metrics
 
 
 def model_config_inputs(url: str, model: str, timeout: float = 10.0) -> list[str]:
