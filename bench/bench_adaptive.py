@@ -37,7 +37,7 @@ from specbuild.engines.embedded import Engine, SamplingParams
 from specbuild.engines.embedded.adaptive import ADAPTIVE_K, cost_models, crossover_concurrency
 from specbuild.engines.embedded.calibrate import forward_probe, time_interleaved
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
-from specbuild.sources import resolve
+from specbuild.pipeline.sources import resolve
 
 MODEL = "demo:smollm2-135m-instruct"
 FIXED_K = (1, 2, 4, 6)

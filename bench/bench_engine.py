@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from specbuild.build import build
-from specbuild.convert import convert
+from specbuild.pipeline.build import build
+from specbuild.pipeline.convert import convert
 from specbuild.engines.embedded import Engine, SamplingParams
 from specbuild.engines.embedded.calibrate import (estimate_alpha, forward_probe, predicted_speedup,
                                                   time_interleaved)
 from specbuild.engines.embedded.quant import quantize_model_
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
-from specbuild.sources import cache_dir, resolve
+from specbuild.pipeline.sources import cache_dir, resolve
 
 MODEL = "demo:smollm2-135m-instruct"
 KINDS = ("chat", "code", "summ")

@@ -1,10 +1,10 @@
-"""`specbuild build`: a thin wrapper over `specbuild.build.build`."""
+"""`specbuild build`: a thin wrapper over `specbuild.pipeline.build.build`."""
 
 from __future__ import annotations
 
 import click
 
-from specbuild.build import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS, build
+from specbuild.pipeline.build import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS, build
 from specbuild.cli.options import backend_option, dry_run_option, force_option, workdir_option
 
 

@@ -1,13 +1,13 @@
-"""`specbuild check` and `specbuild convert`: thin wrappers over `specbuild.checks` and `specbuild.convert`."""
+"""`specbuild check` and `specbuild convert`: thin wrappers over `specbuild.pipeline.checks` and `specbuild.pipeline.convert`."""
 
 from __future__ import annotations
 
 import click
 
-from specbuild.checks import failures, format_table, run_checks
+from specbuild.pipeline.checks import failures, format_table, run_checks
 from specbuild.cli.options import backend_option, dry_run_option, force_option, workdir_option
-from specbuild.convert import DTYPES, QUANTIZATIONS, convert
-from specbuild.sources import resolve
+from specbuild.pipeline.convert import DTYPES, QUANTIZATIONS, convert
+from specbuild.pipeline.sources import resolve
 
 source_options = [
     click.option("--target", required=True, metavar="SRC",

@@ -1,12 +1,12 @@
-"""`specbuild deploy`: thin wrapper over `specbuild.deploy.deploy`."""
+"""`specbuild deploy`: thin wrapper over `specbuild.pipeline.deploy.deploy`."""
 
 from __future__ import annotations
 
 import click
 
 from specbuild.cli.options import backend_option, dry_run_option, force_option, workdir_option
-from specbuild.deploy import deploy
-from specbuild.errors import UsageError
+from specbuild.pipeline.deploy import deploy
+from specbuild.pipeline.errors import UsageError
 
 # --flag -> (option key of engines/trtllm/settings.py, click type, help)
 TRTLLM_OPTIONS = {
@@ -87,7 +87,7 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
     click.echo(f"{state} in {result.seconds:.1f}s: {result.out_dir}")
     click.echo(f"  models: {', '.join(result.manifest.get('outputs', {}).get('models', []))}")
     if kubernetes:
-        from specbuild.kubernetes import write
+        from specbuild.pipeline.kubernetes import write
 
         out = write(workdir, image=image, name="specbuild", claim=pvc, replicas=replicas)
         click.echo(f"  kubernetes: {out} (kubectl apply -f {out})")

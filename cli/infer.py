@@ -1,4 +1,4 @@
-"""`specbuild infer`: one prompt against a running deployment (thin wrapper over `specbuild.client`)."""
+"""`specbuild infer`: one prompt against a running deployment (thin wrapper over `specbuild.pipeline.client`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import sys
 
 import click
 
-from specbuild import contract
+from specbuild.pipeline import contract
 from specbuild.cli.options import workdir_option
-from specbuild.client import DEFAULT_GRPC, DEFAULT_HTTP, Client
+from specbuild.pipeline.client import DEFAULT_GRPC, DEFAULT_HTTP, Client
 
 
 @click.command("infer")
@@ -58,7 +58,7 @@ def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, prop
     if num_draft_tokens is not None and model != contract.SPECULATIVE_MODEL:
         raise click.UsageError(f"--num-draft-tokens needs --model {contract.SPECULATIVE_MODEL} "
                                f"({model} uses the engine's default K).")
-    from specbuild.serve import endpoints
+    from specbuild.pipeline.serve import endpoints
 
     where = endpoints(workdir, url, grpc_url)
     client = Client(url=where.http, grpc_url=where.grpc, model=model, timeout=timeout)
@@ -67,7 +67,7 @@ def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, prop
     if chat:
         from pathlib import Path
 
-        from specbuild.loadtest import resolve_tokenizer
+        from specbuild.pipeline.loadtest import resolve_tokenizer
         from specbuild.loadtests.tokens import TokenCounter
 
         prompt = TokenCounter(resolve_tokenizer(tokenizer, Path(workdir))).chat(prompt)

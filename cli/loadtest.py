@@ -29,11 +29,11 @@ from specbuild.cli.options import workdir_option
               help="Client-facing model (default: tensorrt_llm_bls when comparing num_draft_tokens, else ensemble).")
 @click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True,
               help="http: /generate_stream (SSE) and /generate; grpc: tritonclient streaming.")
-@click.option("--tokenizer", type=click.Path(exists=True), default=None,
+@click.option("--tokenizer", type=click.Path(resolve_path=True, exists=True), default=None,
               help="Target tokenizer dir (tokenizer.json) for counting output tokens "
                    "(default: the deployment's, found through --workdir).")
 @workdir_option
-@click.option("--out", type=click.Path(file_okay=False), default="report", show_default=True,
+@click.option("--out", type=click.Path(resolve_path=True, file_okay=False), default="report", show_default=True,
               help="Report directory (report.json, report.md, PNG plots, runs/ with Locust CSVs).")
 @click.option("--users", type=int, default=None, help="Override every profile's concurrent users.")
 @click.option("--duration", type=float, default=None, help="Override every profile's seconds of load per run.")
@@ -73,8 +73,8 @@ def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, mo
       specbuild loadtest --tokenizer ./target --profile chat --users 1 --duration 10 \\
           --max-p95-ttft-ms 500 --max-error-rate 0.01
     """
-    from specbuild.loadtest import LoadtestConfig, loadtest
-    from specbuild.serve import endpoints
+    from specbuild.pipeline.loadtest import LoadtestConfig, loadtest
+    from specbuild.pipeline.serve import endpoints
 
     where = endpoints(workdir, url, grpc_url, metrics_url)
     url, grpc_url, metrics_url = where.http, where.grpc, where.metrics

@@ -13,8 +13,8 @@ import sys
 import click
 
 from specbuild import __version__
-from specbuild.config import default_map, find_config, load_config
-from specbuild.errors import SpecbuildError
+from specbuild.pipeline.config import default_map, find_config, load_config
+from specbuild.pipeline.errors import SpecbuildError
 
 # command name -> module in specbuild.cli exposing a click.Command named `command`
 COMMANDS: dict[str, str] = {
@@ -57,7 +57,7 @@ class SpecbuildGroup(click.Group):
                                                    "auto_envvar_prefix": "SPECBUILD",
                                                    "max_content_width": 100})
 @click.version_option(__version__, prog_name="specbuild")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), envvar="SPECBUILD_CONFIG",
+@click.option("--config", "config_path", type=click.Path(resolve_path=True, dir_okay=False), envvar="SPECBUILD_CONFIG",
               help="TOML file with defaults per command (default: ./specbuild.toml if present).")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 @click.pass_context

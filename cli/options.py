@@ -17,8 +17,8 @@ import os
 
 import click
 
-from specbuild.config import DEFAULT_WORKDIR
-from specbuild.stage import BACKENDS
+from specbuild.pipeline.config import DEFAULT_WORKDIR
+from specbuild.pipeline.stage import BACKENDS
 
 
 class _SharedEnvOption(click.Option):
@@ -33,7 +33,7 @@ class _SharedEnvOption(click.Option):
 
 
 workdir_option = click.option(
-    "--workdir", type=click.Path(file_okay=False), default=DEFAULT_WORKDIR, show_default=True,
+    "--workdir", type=click.Path(resolve_path=True, file_okay=False), default=DEFAULT_WORKDIR, show_default=True,
     cls=_SharedEnvOption, envvar="SPECBUILD_WORKDIR",
     help="Workspace holding every stage's output (checkpoints/, engines/, model_repository/, ...).")
 

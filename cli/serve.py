@@ -1,4 +1,4 @@
-"""`specbuild serve`, `stop` and `status`: thin wrappers over `specbuild.serve`."""
+"""`specbuild serve`, `stop` and `status`: thin wrappers over `specbuild.pipeline.serve`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import click
 
-from specbuild import serve as lib
+from specbuild.pipeline import serve as lib
 from specbuild.cli.options import workdir_option
 
 

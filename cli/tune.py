@@ -24,14 +24,14 @@ from specbuild.cli.options import workdir_option
                    "else http://127.0.0.1:8000).")
 @click.option("--metrics-url", default=None,
               help="Triton metrics endpoint (default: the served one, else the --url host, port 8002).")
-@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+@click.option("--tokenizer", type=click.Path(resolve_path=True, exists=True, file_okay=False), default=None,
               help="Target tokenizer dir (default: the deployment's, found through --workdir).")
 @click.option("--duration", type=float, default=15.0, show_default=True, help="Seconds of load per setting.")
 @click.option("--users", type=int, default=None, help="Concurrent users (default: each profile's own).")
 @click.option("--max-tokens", type=int, default=None, help="Output tokens per request (default: the profile's).")
 @click.option("--apply/--no-apply", default=False, show_default=True,
               help="Write the best setting into <workdir>/model_repository (engine defaults); restart to use it.")
-@click.option("--out", type=click.Path(file_okay=False), default=None,
+@click.option("--out", type=click.Path(resolve_path=True, file_okay=False), default=None,
               help="Output directory for tune.json, tune.md and runs/ (default: <workdir>/tune).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt draw.")
 def tune_command(workdir, profiles, k_list, proposers, url, metrics_url, tokenizer, duration, users, max_tokens,
@@ -49,7 +49,7 @@ def tune_command(workdir, profiles, k_list, proposers, url, metrics_url, tokeniz
       specbuild tune --workdir work --profile chat --profile batch --k 0,2,4 --duration 15 --apply
       specbuild stop --workdir work && specbuild serve --workdir work --background
     """
-    from specbuild.tune import TuneConfig, parse_k_list, tune
+    from specbuild.pipeline.tune import TuneConfig, parse_k_list, tune
 
     cfg = TuneConfig(workdir=Path(workdir), profiles=tuple(profiles),
                      ks=parse_k_list(k_list) if k_list is not None else None,

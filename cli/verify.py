@@ -1,4 +1,4 @@
-"""`specbuild verify`: prove a running deployment is lossless (thin wrapper over `specbuild.verify`)."""
+"""`specbuild verify`: prove a running deployment is lossless (thin wrapper over `specbuild.pipeline.verify`)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from pathlib import Path
 
 import click
 
-from specbuild import contract
+from specbuild.pipeline import contract
 from specbuild.cli.options import workdir_option
-from specbuild.errors import UsageError
+from specbuild.pipeline.errors import UsageError
 
 
 def _endpoint(workdir: Path, url: str | None) -> str:
-    from specbuild.serve import endpoints
+    from specbuild.pipeline.serve import endpoints
 
     where = endpoints(workdir, url)
     if not url and not where.recorded:
@@ -22,7 +22,7 @@ def _endpoint(workdir: Path, url: str | None) -> str:
 
 
 def _tokenizer(workdir: Path, tokenizer: str | None):
-    from specbuild.loadtest import resolve_tokenizer
+    from specbuild.pipeline.loadtest import resolve_tokenizer
     from specbuild.loadtests.tokens import TokenCounter
 
     return TokenCounter(resolve_tokenizer(tokenizer, workdir))
@@ -35,7 +35,7 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
 @click.option("--model", default=contract.SPECULATIVE_MODEL, show_default=True,
               help="Client-facing model that takes num_draft_tokens.")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt to check (repeatable). Default: a built-in set.")
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+@click.option("--prompts", "prompts_file", type=click.Path(resolve_path=True, dir_okay=False), default=None,
               help="File of prompts: JSON list, JSONL with a 'prompt' field, or one per line.")
 @click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1), default=4, show_default=True,
               help="K for the speculative side; compared against K = 0.")
@@ -54,7 +54,7 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
 @click.option("--tokenizer", default=None, help="Tokenizer dir for re-tokenizing outputs. Default: from --workdir.")
 @click.option("--chat-template/--raw", "chat", default=True, show_default=True,
               help="Send each prompt as a user turn in the target's chat template (instruct models), or raw.")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", type=click.Path(resolve_path=True, dir_okay=False), default=None,
               help="Where to write the JSON report. Default: <workdir>/verify/report.json.")
 def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens, max_tokens, seeds, positions,
                    temperature, alpha, concurrency, tokenizer, chat, out):
@@ -67,8 +67,8 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
       specbuild verify --url http://gpu-box:8000 --tokenizer ./llama-3.1-8b -k 4 --seeds 400
       specbuild verify --prompt "def fib(n):" --seeds 0
     """
-    from specbuild.client import Client
-    from specbuild.verify import DEFAULT_PROMPTS, load_prompts, verify
+    from specbuild.pipeline.client import Client
+    from specbuild.pipeline.verify import DEFAULT_PROMPTS, load_prompts, verify
 
     workdir = Path(workdir)
     endpoint = _endpoint(workdir, url)

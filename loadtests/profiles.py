@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specbuild.errors import UsageError
+from specbuild.pipeline.errors import UsageError
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 PROMPT_SETS = ("chat", "code", "summarize")

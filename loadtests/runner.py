@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specbuild.errors import SpecbuildError
+from specbuild.pipeline.errors import SpecbuildError
 from specbuild.loadtests.runspec import ENV_VAR, GATE_EXIT_CODE, RunSpec
 
 log = logging.getLogger(__name__)

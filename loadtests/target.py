@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from specbuild.errors import ServerError, UsageError
+from specbuild.pipeline.errors import ServerError, UsageError
 
 
 @dataclass(frozen=True)

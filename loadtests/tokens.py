@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specbuild.errors import UsageError
+from specbuild.pipeline.errors import UsageError
 
 
 class TokenCounter:

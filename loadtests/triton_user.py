@@ -171,7 +171,7 @@ class TritonGrpcClient:
     def _inputs(self, payload: dict[str, Any]) -> list:
         import numpy as np
 
-        from specbuild.contract import input_spec
+        from specbuild.pipeline.contract import input_spec
 
         inputs = []
         for name, value in payload.items():

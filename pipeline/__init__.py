@@ -1,7 +1,2 @@
-"""specbuild: target + draft LLM -> speculative-decoding deployment on Triton, proven lossless, load-tested.
-
-The library API lives here (`specbuild.convert`, `specbuild.build`, ...); the Click CLI in
-`specbuild.cli` is a thin layer over it.
-"""
-
-__version__ = "0.1.0"
+"""The library API: sources, checks, stages (`convert`, `build`, `deploy`), `serve`, `client`, `verify`,
+`loadtest`, `tune`, manifests and the client contract. `specbuild.pipeline.<module>` is `pipeline/<module>.py`."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specbuild.errors import UsageError
-from specbuild.stage import BACKENDS, PlanStep, run_stage
+from specbuild.pipeline.errors import UsageError
+from specbuild.pipeline.stage import BACKENDS, PlanStep, run_stage
 
 DTYPES = ("float32", "float16", "bfloat16")
 PROPOSERS = ("draft", "ngram")

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specbuild.sources import PICKLE_SUFFIXES, model_files
+from specbuild.pipeline.sources import PICKLE_SUFFIXES, model_files
 
 EMBEDDED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # SmolLM2 is Llama
 EMBEDDED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -304,7 +304,7 @@ def _check_sizes(target: Path, draft: Path, force: bool) -> CheckResult:
 
 def run_checks(target: os.PathLike | str, draft: os.PathLike | str, *, backend: str = "embedded",
                force: bool = False) -> list[CheckResult]:
-    """Every pre-flight check on resolved local HF directories (see `specbuild.sources.resolve`)."""
+    """Every pre-flight check on resolved local HF directories (see `specbuild.pipeline.sources.resolve`)."""
     target, draft = Path(os.fspath(target)), Path(os.fspath(draft))
     results: list[CheckResult] = []
     cfgs = {}

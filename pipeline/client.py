@@ -1,6 +1,6 @@
 """The one client of a specbuild deployment (used by `infer`, `verify` and the load-test checks).
 
-Speaks the client contract (`specbuild.contract`) over Triton's KServe v2 API, to either backend:
+Speaks the client contract (`specbuild.pipeline.contract`) over Triton's KServe v2 API, to either backend:
 
 * `generate(...)`          HTTP `POST /v2/models/<m>/generate` (one response; stream=false)
 * `generate_stream(...)`   HTTP `POST /v2/models/<m>/generate_stream` (SSE; stream=true)
@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from specbuild import contract
-from specbuild.errors import ServerError
+from specbuild.pipeline import contract
+from specbuild.pipeline.errors import ServerError
 
 DEFAULT_HTTP = "http://127.0.0.1:8000"
 DEFAULT_GRPC = "127.0.0.1:8001"

@@ -1,6 +1,6 @@
 """The `convert` stage: (target, draft) sources -> `<workdir>/checkpoints/` with a manifest.
 
-    from specbuild.convert import convert
+    from specbuild.pipeline.convert import convert
     result = convert("demo:smollm2-135m-instruct", "path/to/draft", workdir="specbuild-work")
     result.out_dir, result.skipped, result.manifest["outputs"]["draft"]["files"]
 
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specbuild.checks import CheckResult, failure_message, failures, run_checks
-from specbuild.errors import CheckFailed, UsageError
-from specbuild.manifest import (MANIFEST, HashCache, Manifest, ensure_writable_dir, hash_tree, is_up_to_date,
+from specbuild.pipeline.checks import CheckResult, failure_message, failures, run_checks
+from specbuild.pipeline.errors import CheckFailed, UsageError
+from specbuild.pipeline.manifest import (MANIFEST, HashCache, Manifest, ensure_writable_dir, hash_tree, is_up_to_date,
                                 read_manifest)
-from specbuild.sources import ResolvedSource, resolve
-from specbuild.stage import BACKENDS, PlanStep, StageOutcome, run_stage, stage_dir
+from specbuild.pipeline.sources import ResolvedSource, resolve
+from specbuild.pipeline.stage import BACKENDS, PlanStep, StageOutcome, run_stage, stage_dir
 
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8_wo", "int4_wo", "fp8")

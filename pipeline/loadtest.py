@@ -1,6 +1,6 @@
 """`loadtest`: headless Locust per profile x setting against a running deployment, one report.
 
-    from specbuild.loadtest import LoadtestConfig, loadtest
+    from specbuild.pipeline.loadtest import LoadtestConfig, loadtest
     report = loadtest(LoadtestConfig(profiles=("chat", "batch"), compare="num_draft_tokens=0,4",
                                      url="http://127.0.0.1:8000", tokenizer="work/engines/tokenizer"))
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from specbuild.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
-from specbuild.errors import SpecbuildError, UsageError
-from specbuild.manifest import Manifest, stage_output, write_manifest
+from specbuild.pipeline.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
+from specbuild.pipeline.errors import SpecbuildError, UsageError
+from specbuild.pipeline.manifest import Manifest, stage_output, write_manifest
 
 log = logging.getLogger(__name__)
 PROTOCOLS = ("http", "grpc")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specbuild import __version__
-from specbuild.errors import ManifestError, SpecbuildError
+from specbuild.pipeline.errors import ManifestError, SpecbuildError
 
 MANIFEST = "manifest.json"
 SCHEMA = 1

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from specbuild.errors import ServerError, ToolNotAvailable, UsageError
-from specbuild.manifest import atomic_write_text, ensure_writable_dir, read_manifest
-from specbuild.stage import stage_dir
-from specbuild.tritonbin import find_tritonserver, prepare_backend_dir, server_env
+from specbuild.pipeline.errors import ServerError, ToolNotAvailable, UsageError
+from specbuild.pipeline.manifest import atomic_write_text, ensure_writable_dir, read_manifest
+from specbuild.pipeline.stage import stage_dir
+from specbuild.pipeline.tritonbin import find_tritonserver, prepare_backend_dir, server_env
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def start(workdir: str | Path, opts: ServeOptions = ServeOptions(), *, repositor
     `repository` defaults to `<workdir>/model_repository` (the output of `specbuild deploy`).
     """
     say = progress or log.info
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()  # tritonserver runs with cwd=<workdir>/server: every path absolute
     backend = None
     if repository is None:
         repository = stage_dir(workdir, "deploy")
@@ -226,7 +226,7 @@ def start(workdir: str | Path, opts: ServeOptions = ServeOptions(), *, repositor
                                "nvidia-pytriton one; run `specbuild serve` inside that container or pass "
                                "--tritonserver.")
     sdir = ensure_writable_dir(server_dir(workdir))
-    backend_dir = prepare_backend_dir(binary, sdir / "backends")
+    backend_dir = prepare_backend_dir(binary, sdir / "backends").resolve()
     argv = build_argv(binary.path, repository, backend_dir, opts)
     log_file = sdir / "tritonserver.log"
     say("Running: " + " ".join(argv))

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from specbuild.errors import SourceError
-from specbuild.manifest import HashCache
+from specbuild.pipeline.errors import SourceError
+from specbuild.pipeline.manifest import HashCache
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from specbuild.errors import SpecbuildError, UsageError
-from specbuild.manifest import (HashCache, Manifest, is_up_to_date, read_manifest, stage_output,
+from specbuild.pipeline.errors import SpecbuildError, UsageError
+from specbuild.pipeline.manifest import (HashCache, Manifest, is_up_to_date, read_manifest, stage_output,
                                 write_manifest)
 
 log = logging.getLogger(__name__)
@@ -149,5 +149,5 @@ def run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, Any
 def write_manifest_raw(directory: Path, data: dict[str, Any]) -> None:
     import json
 
-    from specbuild.manifest import MANIFEST, atomic_write_text
+    from specbuild.pipeline.manifest import MANIFEST, atomic_write_text
     atomic_write_text(Path(directory) / MANIFEST, json.dumps(data, indent=2, default=str) + "\n")

@@ -1,10 +1,10 @@
 """`tune`: sweep K (num_draft_tokens) and the proposer per traffic profile with short load runs, pick the best.
 
-    from specbuild.tune import TuneConfig, tune
+    from specbuild.pipeline.tune import TuneConfig, tune
     result = tune(TuneConfig(workdir=Path("work"), profiles=("chat", "batch"), ks=(0, 2, 4), duration=15))
     result["profiles"]["chat"]["winner"]        # e.g. {"label": "k=4/draft", "k": 4, "proposer": "draft"}
 
-Every setting is one short `specbuild.loadtest.loadtest(...)` run (Locust, real traffic) against the
+Every setting is one short `specbuild.pipeline.loadtest.loadtest(...)` run (Locust, real traffic) against the
 deployment's speculative model. Scores per profile: chat = median TPOT (lower is better; tie within 1%
 -> median e2e), batch = output tokens/s (higher is better; tie -> median e2e). A setting with a failed
 request cannot win. K=0 is the baseline (speculation off); with K=0 the proposer does not matter, so it is
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specbuild import __version__
-from specbuild.contract import SPECULATIVE_MODEL
-from specbuild.errors import ManifestError, ServerError, SpecbuildError, UsageError
-from specbuild.manifest import MANIFEST, Manifest, atomic_write_text, stage_output, write_manifest
-from specbuild.tune_score import (TIE_TOLERANCE, Setting, choose_default, choose_winner, cell_row, gain_vs_baseline,
+from specbuild.pipeline.contract import SPECULATIVE_MODEL
+from specbuild.pipeline.errors import ManifestError, ServerError, SpecbuildError, UsageError
+from specbuild.pipeline.manifest import MANIFEST, Manifest, atomic_write_text, stage_output, write_manifest
+from specbuild.pipeline.tune_score import (TIE_TOLERANCE, Setting, choose_default, choose_winner, cell_row, gain_vs_baseline,
                                   objective_for, per_profile_winners, render_markdown)
 
 PROPOSERS = ("draft", "ngram")          # = specbuild.engines.embedded.engine.PROPOSERS (no torch import here)
@@ -136,7 +136,7 @@ def plan_settings(ks: tuple[int, ...], proposers: tuple[str, ...] | None) -> lis
 
 def resolve_server(cfg: TuneConfig) -> tuple[str, str | None]:
     """(HTTP URL, metrics URL): --url, else the server `specbuild serve` started from --workdir, else :8000."""
-    from specbuild.serve import endpoints
+    from specbuild.pipeline.serve import endpoints
 
     where = endpoints(cfg.workdir, cfg.url, metrics_url=cfg.metrics_url)
     return where.http, where.metrics
@@ -160,7 +160,7 @@ def tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None, show_ba
     """Sweep, score, write `<out>/tune.{json,md}` (and apply with cfg.apply). Returns the result dict."""
     from tqdm import tqdm
 
-    from specbuild.loadtest import LoadtestConfig, LoadtestInterrupted, loadtest, resolve_tokenizer
+    from specbuild.pipeline.loadtest import LoadtestConfig, LoadtestInterrupted, loadtest, resolve_tokenizer
     from specbuild.loadtests import target
     from specbuild.loadtests.profiles import load_profile
 

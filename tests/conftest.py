@@ -55,7 +55,7 @@ def tiny_qwen2(tmp_path_factory, tiny_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct as an HF directory (materialized once into $SPECBUILD_CACHE, ~1 min)."""
-    from specbuild.sources import resolve
+    from specbuild.pipeline.sources import resolve
 
     return resolve("demo:smollm2-135m-instruct").path
 

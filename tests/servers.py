@@ -8,7 +8,7 @@
   asks for it (end-to-end, verify and load-test tests), and stops it (no process, ports freed) at the end.
 
     def test_something(running_server):
-        from specbuild.client import Client
+        from specbuild.pipeline.client import Client
         gen = Client(running_server.http_url, running_server.grpc_url).generate("Hello", max_tokens=8)
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from specbuild import serve
+from specbuild.pipeline import serve
 
 START_TIMEOUT = 240.0  # generous: loading the engine on a busy 2-core CI box
 
@@ -73,9 +73,9 @@ class ServerHandle:
 def deploy_tiny(workdir: Path, target: Path, draft: Path, *, max_batch_size: int = 16,
                 max_seq_len: int = 1024, max_draft_len: int = 4, num_draft_tokens: int = 3) -> Path:
     """convert -> build -> deploy of the tiny models (library functions; no-ops when up to date)."""
-    from specbuild.build import build
-    from specbuild.convert import convert
-    from specbuild.deploy import deploy
+    from specbuild.pipeline.build import build
+    from specbuild.pipeline.convert import convert
+    from specbuild.pipeline.deploy import deploy
 
     convert(str(target), str(draft), workdir=workdir)
     build(workdir=workdir, max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_draft_len=max_draft_len,

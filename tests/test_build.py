@@ -7,12 +7,12 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specbuild.build import build
+from specbuild.pipeline.build import build
 from specbuild.cli.main import cli
-from specbuild.convert import convert
+from specbuild.pipeline.convert import convert
 from specbuild.engines.embedded.calibrate import (best_k, estimate_alpha, expected_tokens_per_round,
                                                   predicted_speedup)
-from specbuild.errors import ManifestError, UsageError
+from specbuild.pipeline.errors import ManifestError, UsageError
 
 SMALL = dict(max_batch_size=2, max_seq_len=128, max_draft_len=4)
 

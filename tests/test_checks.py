@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specbuild.checks import (format_table, read_safetensors_header, run_checks, backend_support,
+from specbuild.pipeline.checks import (format_table, read_safetensors_header, run_checks, backend_support,
                               EMBEDDED_ARCHITECTURES)
 from tinymodels import CORPUS, make_checkpoint, make_tokenizer
 

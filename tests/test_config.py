@@ -5,6 +5,9 @@ Observed through `specbuild convert --dry-run`, which prints the paths it would 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -26,7 +29,10 @@ def planned_workdir(tiny_llama, tiny_llama_draft, *flags, env=None) -> str:
     assert res.exit_code == 0, res.output
     writes = [line.split(" ", 2)[2] for line in res.stdout.splitlines() if line.startswith("--- write ")]
     assert writes[-1].endswith("/checkpoints/manifest.json")
-    return writes[-1][: -len("/checkpoints/manifest.json")]
+    planned = writes[-1][: -len("/checkpoints/manifest.json")]
+    # paths are resolved once, at the CLI boundary: what a stage plans to write is absolute
+    assert Path(planned).is_absolute(), planned
+    return os.path.relpath(planned, Path.cwd())
 
 
 def test_default(in_tmp, tiny_llama, tiny_llama_draft):

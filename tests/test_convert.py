@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from specbuild.cli.main import cli
-from specbuild.convert import convert
+from specbuild.pipeline.convert import convert
 from test_checks import other_tokenizer, big_tokenizer, padded_draft, truncate, variant  # noqa: F401,F811 (fixtures)
 from test_sources import pickle_only
 from tinymodels import make_checkpoint

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from specbuild import contract
-from specbuild.deploy import deploy
+from specbuild.pipeline import contract
+from specbuild.pipeline.deploy import deploy
 from specbuild.engines.embedded.deploy import render
-from specbuild.errors import ManifestError, UsageError
+from specbuild.pipeline.errors import ManifestError, UsageError
 from specbuild.model_repository.embedded.request_params import BadRequest, Limits, parse_request, perf_metrics
 
 
@@ -26,8 +26,8 @@ def parse(text: str) -> model_config_pb2.ModelConfig:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_llama, tiny_llama_draft):
     """A workdir with checkpoints/ and engines/ (no deploy yet)."""
-    from specbuild.build import build
-    from specbuild.convert import convert
+    from specbuild.pipeline.build import build
+    from specbuild.pipeline.convert import convert
 
     wd = tmp_path_factory.mktemp("deploy")
     convert(str(tiny_llama), str(tiny_llama_draft), workdir=wd)

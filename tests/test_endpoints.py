@@ -2,7 +2,7 @@
 
 import json
 
-from specbuild.serve import endpoints
+from specbuild.pipeline.serve import endpoints
 
 
 def test_explicit_url_wins_and_its_host_carries_grpc_and_metrics(tmp_path):

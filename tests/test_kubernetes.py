@@ -5,7 +5,7 @@ import yaml
 from click.testing import CliRunner
 
 from specbuild.cli.main import cli
-from specbuild.kubernetes import render
+from specbuild.pipeline.kubernetes import render
 
 
 def test_embedded_manifests_from_a_real_deployment(server_workdir, tmp_path):

@@ -139,7 +139,7 @@ class TritonFixture:
     """A real tritonserver on loopback serving the fixture repository; stopped by its own PID."""
 
     def __init__(self, root: Path, token_ms: float = 20.0, accept: int = 2):
-        from specbuild.tritonbin import find_tritonserver, prepare_backend_dir, server_env
+        from specbuild.pipeline.tritonbin import find_tritonserver, prepare_backend_dir, server_env
 
         repo = root / "repo"
         for name, spec in (("ensemble", False), ("tensorrt_llm_bls", True)):
@@ -204,7 +204,7 @@ def embedded(tmp_path_factory, server_workdir):
     """The session's tiny embedded deployment, served by a tritonserver owned by this module."""
     from servers import ServerHandle, serve_options
 
-    from specbuild import serve
+    from specbuild.pipeline import serve
 
     state = tmp_path_factory.mktemp("loadtest-serve")
     opts = serve_options()
@@ -247,7 +247,7 @@ def test_chat_and_batch_speculation_on_vs_off_report(embedded, tmp_path):
     assert r.exit_code == 0, r.output
     assert _alive(embedded)
     data = json.loads((out / "report.json").read_text())
-    from specbuild.loadtest import deployment_max_seq_len
+    from specbuild.pipeline.loadtest import deployment_max_seq_len
 
     max_seq_len = deployment_max_seq_len(embedded.deployment)
     assert data["status"] == "ok" and data["model"] == "tensorrt_llm_bls" and data["max_seq_len"] == max_seq_len

@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from specbuild.cli.main import cli
-from specbuild.errors import UsageError
-from specbuild.loadtest import LoadtestConfig, input_budget, parse_compare, resolve_tokenizer
+from specbuild.pipeline.errors import UsageError
+from specbuild.pipeline.loadtest import LoadtestConfig, input_budget, parse_compare, resolve_tokenizer
 from specbuild.loadtests import promptsets, report as rep, target
 from specbuild.loadtests.profiles import load_profile, profile_from_dict
 from specbuild.loadtests.runner import CellResult, locust_argv
@@ -220,7 +220,7 @@ def test_cli_refuses_before_any_load(tmp_path, tiny_tokenizer):
 
 
 def test_parse_settings_names_and_fields():
-    from specbuild.loadtest import parse_settings
+    from specbuild.pipeline.loadtest import parse_settings
 
     assert parse_settings(["off:num_draft_tokens=0", "ngram:num_draft_tokens=4,proposer=ngram"]) == [
         ("off", {"num_draft_tokens": 0}), ("ngram", {"num_draft_tokens": 4, "proposer": "ngram"})]
@@ -230,7 +230,7 @@ def test_parse_settings_names_and_fields():
 
 
 def test_chat_template_wraps_prompts_and_fixed_output_sets_min_tokens(tiny_tokenizer):
-    from specbuild.loadtest import _payload
+    from specbuild.pipeline.loadtest import _payload
 
     counter = TokenCounter(tiny_tokenizer)
     wrapped = promptsets.build_prompts({"chat": 1}, count=3, seed=1, counter=counter, max_input_tokens=40, chat=True)

@@ -10,7 +10,7 @@ from torch import nn
 from specbuild.engines.embedded.quant import (Int8Linear, dequantize_weight, load_int8_model,
                                               load_quantized_state_dict_, quantize_model_, quantize_weight,
                                               save_int8_model)
-from specbuild.errors import SourceError, UsageError
+from specbuild.pipeline.errors import SourceError, UsageError
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

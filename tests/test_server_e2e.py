@@ -17,8 +17,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from click.testing import CliRunner
 
-from specbuild import contract, serve
-from specbuild.client import Client, RequestError, grpc_inputs, metric, parse_metrics
+from specbuild.pipeline import contract, serve
+from specbuild.pipeline.client import Client, RequestError, grpc_inputs, metric, parse_metrics
 
 pytestmark = pytest.mark.server
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from specbuild.client import Client, RequestError
-from specbuild.contract import SPECULATIVE_MODEL
+from specbuild.pipeline.client import Client, RequestError
+from specbuild.pipeline.contract import SPECULATIVE_MODEL
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 

@@ -10,8 +10,8 @@ import pytest
 from trtllm_support import context, runs, written
 
 from specbuild.engines.trtllm import build, convert, deploy
-from specbuild.errors import CheckFailed, ToolNotAvailable, UsageError
-from specbuild.stage import run_stage
+from specbuild.pipeline.errors import CheckFailed, ToolNotAvailable, UsageError
+from specbuild.pipeline.stage import run_stage
 
 WORKER = [sys.executable, "-m", "specbuild.engines.trtllm.convert_rank"]
 

@@ -1,5 +1,5 @@
 """The generated Triton repository: every config.pbtxt parses with tritonclient's protobuf, holds the
-required values, the ensemble is consistent, and the client-facing models match specbuild.contract."""
+required values, the ensemble is consistent, and the client-facing models match specbuild.pipeline.contract."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from trtllm_support import context, written
 
-from specbuild.contract import (CLIENT_INPUTS, CLIENT_OUTPUTS, ENSEMBLE_MODEL, SPECULATIVE_MODEL, TensorSpec,
+from specbuild.pipeline.contract import (CLIENT_INPUTS, CLIENT_OUTPUTS, ENSEMBLE_MODEL, SPECULATIVE_MODEL, TensorSpec,
                                 contract_mismatches, inputs_for)
 from specbuild.engines.trtllm import deploy
 from specbuild.engines.trtllm.repository import ensemble_problems, render, template, upstream_mismatches
-from specbuild.errors import SpecbuildError
+from specbuild.pipeline.errors import SpecbuildError
 
 
 def parse(text: str) -> model_config_pb2.ModelConfig:

@@ -16,12 +16,12 @@ from tritonclient.grpc import model_config_pb2
 
 from specbuild.cli.main import cli
 from specbuild.engines.embedded.deploy import render
-from specbuild.errors import ManifestError, UsageError
+from specbuild.pipeline.errors import ManifestError, UsageError
 from specbuild.loadtests.report import summarize_cell
 from specbuild.loadtests.runner import CellResult
-from specbuild.manifest import Manifest, write_manifest
-from specbuild.tune import TuneConfig, apply_tuned_defaults, parse_k_list, plan_settings, sweep_ks
-from specbuild.tune_score import (OBJECTIVES, Setting, cell_row, choose_default, choose_winner, gain_vs_baseline,
+from specbuild.pipeline.manifest import Manifest, write_manifest
+from specbuild.pipeline.tune import TuneConfig, apply_tuned_defaults, parse_k_list, plan_settings, sweep_ks
+from specbuild.pipeline.tune_score import (OBJECTIVES, Setting, cell_row, choose_default, choose_winner, gain_vs_baseline,
                                   render_markdown)
 
 LAT, THR = OBJECTIVES["latency"], OBJECTIVES["throughput"]
@@ -257,7 +257,7 @@ def test_tune_end_to_end_against_the_real_server(running_server, tmp_path):
     assert "fewer than 10 requests" in md.lower() or all(r["requests"] >= 10 for r in chat["settings"])
     # the edited config loads in the real tritonserver ("restart"), which reports the tuned parameters
     from servers import serve_options
-    from specbuild import serve
+    from specbuild.pipeline import serve
 
     info = serve.start(work, serve_options())
     try:

@@ -41,7 +41,7 @@ def test_verify_catches_a_deliberately_broken_acceptor(tmp_path_factory, tiny_ll
     target's verdict ignored): an unrelated draft then changes the output, and verify must exit non-zero."""
     from servers import ServerHandle, deploy_tiny, serve_options
 
-    from specbuild import serve
+    from specbuild.pipeline import serve
 
     workdir = deploy_tiny(tmp_path_factory.mktemp("broken"), tiny_llama, tiny_llama_draft)
     cfg_path = workdir / "engines" / "engine_config.json"

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from specbuild.errors import UsageError
-from specbuild.verify import chi2_sf, first_divergence, homogeneity_test, load_prompts, verify_sampling
+from specbuild.pipeline.errors import UsageError
+from specbuild.pipeline.verify import chi2_sf, first_divergence, homogeneity_test, load_prompts, verify_sampling
 
 
 def test_chi2_sf_known_quantiles():

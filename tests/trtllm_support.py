@@ -19,8 +19,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from specbuild.manifest import HashCache
-from specbuild.stage import PlanStep, StageContext, stage_dir
+from specbuild.pipeline.manifest import HashCache
+from specbuild.pipeline.stage import PlanStep, StageContext, stage_dir
 
 STANDIN_INIT = '''
 __version__ = "{version}"

@@ -25,8 +25,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specbuild.errors import ManifestError, SpecbuildError, UsageError
-from specbuild.stage import PlanStep, StageContext, StageResult
+from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
+from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
 ENGINE_JSON = "engine_config.json"    # = specbuild.engines.embedded.ENGINE_CONFIG_FILE, read by Engine.from_build_dir
 ENGINE_FORMAT = "specbuild-embedded-engine"

@@ -7,7 +7,7 @@ vocab sizes >= the tokenizer's), the draft's embedding and lm_head rows are resi
 vocab size (new rows are zero; rows past the tokenizer are never real tokens) and the manifest records
 `vocab_resized: {from, to, tokenizer_size}` so the engine can mask those ids.
 
-Driven by `specbuild.convert.convert` through the stage runner; options used: target_dir, draft_dir,
+Driven by `specbuild.pipeline.convert.convert` through the stage runner; options used: target_dir, draft_dir,
 dtype, force. The pre-flight checks are run again here on exactly the directories converted, and
 their results go into the manifest.
 """
@@ -22,11 +22,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specbuild.checks import failure_message, failures, run_checks
-from specbuild.errors import CheckFailed, UsageError
-from specbuild.manifest import sha256_file
-from specbuild.sources import TOKENIZER_FILES, model_files
-from specbuild.stage import PlanStep, StageContext, StageResult
+from specbuild.pipeline.checks import failure_message, failures, run_checks
+from specbuild.pipeline.errors import CheckFailed, UsageError
+from specbuild.pipeline.manifest import sha256_file
+from specbuild.pipeline.sources import TOKENIZER_FILES, model_files
+from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
 DTYPES = ("float32", "float16", "bfloat16")
 _RESIZABLE = ("embed_tokens", "lm_head", "wte", "word_embeddings")

@@ -9,7 +9,7 @@ Output (`<workdir>/model_repository/`)::
 The client-facing models are Python forwarders rather than a Triton ensemble because Triton 2.51 does
 not propagate a client's cancellation into ensemble steps (see model_repository/embedded/forward/).
 
-The tensors of the client-facing models come from `specbuild.contract`, so the embedded and the
+The tensors of the client-facing models come from `specbuild.pipeline.contract`, so the embedded and the
 TensorRT-LLM deployments declare the same names, dtypes and dims. Every rendered config is parsed
 with Triton's `ModelConfig` protobuf and checked against the contract before the stage is accepted.
 """
@@ -20,9 +20,9 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from specbuild import contract
-from specbuild.errors import ManifestError, UsageError
-from specbuild.stage import PlanStep, StageContext, StageResult
+from specbuild.pipeline import contract
+from specbuild.pipeline.errors import ManifestError, UsageError
+from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
 ENGINE_MODEL = "tensorrt_llm"
 MODELS = (ENGINE_MODEL, contract.ENSEMBLE_MODEL, contract.SPECULATIVE_MODEL)

@@ -43,7 +43,7 @@ from specbuild.engines.embedded.scorer import TargetScorer
 from specbuild.engines.embedded.sequence import RequestOutput, Sequence, StreamDelta
 from specbuild.engines.embedded.stats import SpecStats
 from specbuild.engines.embedded.weights import load_model, torch_dtype
-from specbuild.errors import SourceError
+from specbuild.pipeline.errors import SourceError
 
 PROPOSERS = ("draft", "ngram")
 ENGINE_CONFIG_FILE = "engine_config.json"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specbuild.errors import SpecbuildError
+from specbuild.pipeline.errors import SpecbuildError
 
 
 class EngineLimitError(SpecbuildError):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbuild.errors import SourceError
+from specbuild.pipeline.errors import SourceError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2", "smollm3")
 

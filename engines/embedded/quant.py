@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbuild.errors import UsageError
+from specbuild.pipeline.errors import UsageError
 
 SCHEMES = ("int8",)
 
@@ -167,7 +167,7 @@ def load_int8_model(model_dir, *, dtype="float32", device="cpu") -> nn.Module:
 
     from specbuild.engines.embedded.model import ModelConfig, Transformer, rope_inv_freq
     from specbuild.engines.embedded.weights import torch_dtype
-    from specbuild.errors import SourceError
+    from specbuild.pipeline.errors import SourceError
 
     model_dir = Path(model_dir)
     path = model_dir / INT8_WEIGHTS

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specbuild.engines.embedded.model import ModelConfig, Transformer, rope_inv_freq
-from specbuild.errors import SourceError
+from specbuild.pipeline.errors import SourceError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

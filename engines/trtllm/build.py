@@ -20,8 +20,8 @@ from typing import Any
 
 from packaging.version import Version
 
-from specbuild.errors import CheckFailed, UsageError
-from specbuild.stage import PlanStep, StageContext, StageResult
+from specbuild.pipeline.errors import CheckFailed, UsageError
+from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm.checks import read_json, validate_engine_config
 from specbuild.engines.trtllm.common import (BUILD_KEYS, CONVERT_KEYS, ROLES, hf_config, resolve_dtype, source_dir,

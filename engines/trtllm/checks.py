@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from specbuild.errors import CheckFailed, UsageError
+from specbuild.pipeline.errors import CheckFailed, UsageError
 
 # SpeculativeDecodingMode bit flags as stored (an integer) in the engine's build_config.
 SPEC_MODE_BITS = {1: "none", 2: "draft_tokens_external", 4: "medusa", 8: "lookahead_decoding",
@@ -89,7 +89,7 @@ def check_vocab(target_config: Mapping[str, Any], draft_config: Mapping[str, Any
 def validate_request(request: Mapping[str, Any], *, built_max_draft_len: int, bls_speculative: bool = True) -> None:
     """Refuse a request the BLS draft-target path cannot serve, before it reaches the server.
 
-    `request` uses the client-contract names (specbuild.contract): num_draft_tokens, stream, text_input...
+    `request` uses the client-contract names (specbuild.pipeline.contract): num_draft_tokens, stream, text_input...
     """
     k = _scalar(request.get("num_draft_tokens", 0))
     if k is not None and int(k) > built_max_draft_len:

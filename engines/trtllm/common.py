@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from specbuild.errors import CheckFailed, SourceError, UsageError
+from specbuild.pipeline.errors import CheckFailed, SourceError, UsageError
 
 from specbuild.engines.trtllm import SUPPORTED_ARCHITECTURES
 from specbuild.engines.trtllm.checks import read_json
@@ -74,7 +74,7 @@ DEFAULT_OUTPUTS = {"target_checkpoint": "target", "draft_checkpoint": "draft", "
 
 def upstream_root(ctx) -> Path:
     """The upstream stage directory (its conventional place when a dry run has no upstream yet)."""
-    from specbuild.stage import stage_dir
+    from specbuild.pipeline.stage import stage_dir
     return Path(ctx.upstream_dir) if ctx.upstream_dir else stage_dir(ctx.workdir, PREVIOUS[ctx.stage])
 
 

@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from specbuild.errors import CheckFailed, UsageError
-from specbuild.stage import PlanStep, StageContext, StageResult
+from specbuild.pipeline.errors import CheckFailed, UsageError
+from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm.checks import check_vocab
 from specbuild.engines.trtllm.common import (ROLES, copy_tokenizer, hf_config, model_class, resolve_dtype,

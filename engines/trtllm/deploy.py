@@ -21,8 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from specbuild.errors import CheckFailed, ToolNotAvailable, UsageError
-from specbuild.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
+from specbuild.pipeline.errors import CheckFailed, ToolNotAvailable, UsageError
+from specbuild.pipeline.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm.build import llm_api_options, to_yaml
 from specbuild.engines.trtllm.common import BUILD_KEYS, source_dir, upstream_path, upstream_root, upstream_settings

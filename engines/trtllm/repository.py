@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
-from specbuild.errors import SpecbuildError
+from specbuild.pipeline.errors import SpecbuildError
 
 from specbuild.engines.trtllm.settings import Settings
 

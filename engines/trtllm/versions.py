@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from specbuild.errors import UsageError
+from specbuild.pipeline.errors import UsageError
 
 ENGINE = "engine"
 LLMAPI = "llmapi"
