@@ -1,15 +1,19 @@
 """Stage artifacts: content hashes, `manifest.json`, fingerprints and atomic writes.
 
 Every stage writes its output through `stage_output(...)`: files go into a temporary sibling
-directory, `manifest.json` is written last, and the directory is renamed into place. A stage whose
-output already carries a manifest with the same fingerprint (inputs' sha256 + options + versions)
-is a no-op; anything else is rebuilt. An interrupted stage leaves only a `.tmp-*` directory, which
-no later stage accepts and the next run removes.
+directory, `manifest.json` is written last, every file is fsynced, and the directory is renamed into
+place. A stage whose output already carries a manifest with the same fingerprint (inputs' sha256 +
+options + versions) is a no-op; anything else is rebuilt. An interrupted stage leaves only a `.tmp-*`
+directory, which no later stage accepts and the next run removes. If the final rename fails, the previous
+output is put back; a crash between the two renames is repaired by the next run (`recover_output`).
+Stages of one workspace serialize on `workspace_lock` (a second one refuses instead of deleting the
+first one's temp dirs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specbuild import __version__
-from specbuild.pipeline.errors import ManifestError, SpecbuildError
+from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
@@ -158,6 +162,8 @@ def atomic_write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -177,27 +183,111 @@ def ensure_writable_dir(directory: Path) -> Path:
     return directory
 
 
+LOCK_FILE = ".specbuild.lock"
+
+
+class WorkspaceBusy(UsageError):
+    """Another specbuild stage or server start holds the workspace lock."""
+
+
+@contextlib.contextmanager
+def workspace_lock(workdir: Path, what: str) -> Iterator[None]:
+    """Hold `<workdir>/.specbuild.lock` (flock, released by the kernel if the process dies) while `what` runs.
+
+    A second stage (or `serve`) in the same workspace refuses at once with the holder's pid and task,
+    instead of both writing the same outputs and deleting each other's temp directories.
+    """
+    workdir = ensure_writable_dir(Path(workdir))
+    path = workdir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise WorkspaceBusy(f"{workdir} is busy: {holder} is using it; wait for it to finish, or use "
+                                f"another --workdir.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} ({what})".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under `root` to disk, so a power cut after the rename cannot leave a
+    manifest that points at empty files."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _old_dirs(final_dir: Path) -> list[Path]:
+    return sorted(final_dir.parent.glob(f".tmp-{final_dir.name}-old-*"))
+
+
+def recover_output(final_dir: Path) -> None:
+    """Repair what a crash between `stage_output`'s two renames left: `final_dir` missing and the previous,
+    complete output parked as `.tmp-<name>-old-<pid>` -> put it back. Then remove every other leftover.
+    Call with the workspace lock held."""
+    final_dir = Path(final_dir)
+    if not final_dir.parent.is_dir():
+        return
+    if not final_dir.exists():
+        for old in reversed(_old_dirs(final_dir)):
+            if (old / MANIFEST).is_file():
+                os.replace(old, final_dir)
+                break
+    for stale in final_dir.parent.glob(f".tmp-{final_dir.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted run
+
+
 @contextlib.contextmanager
 def stage_output(final_dir: Path) -> Iterator[Path]:
     """Yield a temporary directory next to `final_dir`; on success rename it into place atomically.
 
-    On any exception the temporary directory is removed and `final_dir` is left as it was before.
-    The caller must write `manifest.json` into the temp dir (see `write_manifest`) before leaving.
+    On any exception the temporary directory is removed and `final_dir` is left as it was before (if the
+    final rename itself fails, the previous output is put back). The caller must write `manifest.json`
+    into the temp dir (see `write_manifest`) before leaving, and should hold the workspace lock.
     """
     final_dir = Path(final_dir)
     ensure_writable_dir(final_dir.parent)
-    for stale in final_dir.parent.glob(f".tmp-{final_dir.name}-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted run
+    recover_output(final_dir)
     tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".tmp-{final_dir.name}-"))
     try:
         yield tmp
         if not (tmp / MANIFEST).exists():
             raise ManifestError(f"internal error: stage wrote no {MANIFEST} into {tmp}")
+        _fsync_tree(tmp)
         old = None
         if final_dir.exists():
             old = final_dir.parent / f".tmp-{final_dir.name}-old-{os.getpid()}"
             os.replace(final_dir, old)
-        os.replace(tmp, final_dir)
+        try:
+            os.replace(tmp, final_dir)
+        except BaseException:
+            if old is not None:
+                os.replace(old, final_dir)  # put the previous output back
+            raise
+        _fsync_dir(final_dir.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

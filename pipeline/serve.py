@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from specbuild.pipeline.errors import ServerError, ToolNotAvailable, UsageError
-from specbuild.pipeline.manifest import atomic_write_text, ensure_writable_dir, read_manifest
+from specbuild.pipeline.manifest import atomic_write_text, ensure_writable_dir, read_manifest, workspace_lock
 from specbuild.pipeline.stage import stage_dir
 from specbuild.pipeline.tritonbin import find_tritonserver, prepare_backend_dir, server_env
 
@@ -195,8 +195,15 @@ def start(workdir: str | Path, opts: ServeOptions = ServeOptions(), *, repositor
           progress: Callable[[str], None] | None = None) -> ServerInfo:
     """Start tritonserver in the background and wait until `/v2/health/ready`; return its ServerInfo.
 
-    `repository` defaults to `<workdir>/model_repository` (the output of `specbuild deploy`).
+    `repository` defaults to `<workdir>/model_repository` (the output of `specbuild deploy`). Holds the
+    workspace lock until the server is ready: a second `serve` (or a stage) in the same workspace refuses.
     """
+    with workspace_lock(Path(workdir).resolve(), "specbuild serve (starting)"):
+        return _start(workdir, opts, repository=repository, progress=progress)
+
+
+def _start(workdir: str | Path, opts: ServeOptions, *, repository: str | Path | None,
+           progress: Callable[[str], None] | None) -> ServerInfo:
     say = progress or log.info
     workdir = Path(workdir).resolve()  # tritonserver runs with cwd=<workdir>/server: every path absolute
     backend = None

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specbuild.pipeline.errors import SpecbuildError, UsageError
-from specbuild.pipeline.manifest import (HashCache, Manifest, is_up_to_date, read_manifest, stage_output,
-                                write_manifest)
+from specbuild.pipeline.manifest import (HashCache, Manifest, is_up_to_date, read_manifest, recover_output,
+                                         stage_output, workspace_lock, write_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,24 @@ def run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, Any
     `inputs` must already identify the inputs by content (sha256); the fingerprint is
     stage + inputs + options + tool versions, so unchanged inputs make the stage a no-op.
     """
+    if dry_run:
+        return _run_stage(stage, backend=backend, workdir=workdir, options=options, inputs=inputs,
+                          upstream_stage=upstream_stage, force=force, dry_run=True, progress=progress)
+    with workspace_lock(workdir, f"specbuild {stage}"):
+        return _run_stage(stage, backend=backend, workdir=workdir, options=options, inputs=inputs,
+                          upstream_stage=upstream_stage, force=force, dry_run=False, progress=progress)
+
+
+def _run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, Any],
+               inputs: dict[str, Any], upstream_stage: str | None, force: bool,
+               dry_run: bool, progress: Callable[[str], None] | None) -> StageOutcome:
     t0 = time.perf_counter()
     workdir = Path(workdir)
     out_dir = stage_dir(workdir, stage)
+    if not dry_run:
+        recover_output(out_dir)
+        if upstream_stage:
+            recover_output(stage_dir(workdir, upstream_stage))
     upstream = upstream_dir = None
     if upstream_stage:
         upstream_dir = stage_dir(workdir, upstream_stage)
