@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -84,9 +85,24 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
 
     tokenize = tok.ids
 
+    bars = {}
+
+    def progress(phase, done, total):  # one bar per phase on stderr: verify sends hundreds of requests
+        from tqdm import tqdm
+
+        if phase not in bars:
+            label = {"greedy": "greedy K vs 0", "sampling": f"sampling {seeds} seeds x 2"}.get(phase, phase)
+            bars[phase] = tqdm(total=total, desc=label, unit="req", leave=True, file=sys.stderr,
+                               disable=None, dynamic_ncols=True)
+        bar = bars[phase]
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
     report = verify(generate, tokenize, prompts=chosen or list(DEFAULT_PROMPTS), num_draft_tokens=num_draft_tokens,
                     max_tokens=max_tokens, sampling_seeds=seeds, positions=positions, temperature=temperature,
-                    alpha=alpha, concurrency=concurrency, out=Path(out) if out else workdir / "verify" / "report.json")
+                    alpha=alpha, concurrency=concurrency, out=Path(out) if out else workdir / "verify" / "report.json",
+                    progress=progress)
     for case in report.greedy:
         mark = "identical" if case.identical else f"DIVERGES at token {case.first_divergence}"
         click.echo(f"greedy  K={num_draft_tokens} vs 0  {mark:<24} {case.tokens_plain:>4} tok  {case.prompt[:50]!r}")

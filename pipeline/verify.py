@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -135,22 +135,41 @@ def homogeneity_test(a: Counter, b: Counter, min_expected: float = 5.0) -> tuple
     return stat, dof, chi2_sf(stat, dof), len(rows)
 
 
-def _map(fn: Callable, items: list, concurrency: int) -> list:
+Progress = Callable[[str, int, int], None]   # (phase, requests done, requests in the phase)
+
+
+def _map(fn: Callable, items: list, concurrency: int, progress: Progress | None = None, phase: str = "") -> list:
+    """fn over items (order kept), `concurrency` at a time; `progress(phase, done, total)` after each one."""
+    total, done = len(items), 0
+    if progress:
+        progress(phase, 0, total)
     if concurrency <= 1:
-        return [fn(x) for x in items]
+        out = []
+        for x in items:
+            out.append(fn(x))
+            done += 1
+            if progress:
+                progress(phase, done, total)
+        return out
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(fn, items))
+        futures = [pool.submit(fn, x) for x in items]
+        for _ in as_completed(futures):
+            done += 1
+            if progress:
+                progress(phase, done, total)
+        return [f.result() for f in futures]
 
 
 def verify_greedy(generate: GenerateFn, tokenize: Callable[[str], list[int]], prompts: Sequence[str], *,
-                  num_draft_tokens: int, max_tokens: int, concurrency: int = 4) -> list[GreedyCase]:
+                  num_draft_tokens: int, max_tokens: int, concurrency: int = 4,
+                  progress: Progress | None = None) -> list[GreedyCase]:
     def run(args):
         prompt, k = args
         return generate(prompt, num_draft_tokens=k, max_tokens=max_tokens, temperature=0.0, top_k=0,
                         top_p=1.0, seed=None)
 
     jobs = [(p, k) for p in prompts for k in (num_draft_tokens, 0)]
-    outs = _map(run, jobs, concurrency)
+    outs = _map(run, jobs, concurrency, progress, "greedy")
     cases = []
     for i, prompt in enumerate(prompts):
         spec, plain = outs[2 * i], outs[2 * i + 1]
@@ -179,7 +198,8 @@ def _decode_prefix(a: str, b: str) -> str:
 
 def verify_sampling(generate: GenerateFn, tokenize: Callable[[str], list[int]], prompt: str, *,
                     num_draft_tokens: int, seeds: int, positions: int, temperature: float, top_k: int = 0,
-                    top_p: float = 1.0, alpha: float = 1e-3, concurrency: int = 8) -> SamplingResult:
+                    top_p: float = 1.0, alpha: float = 1e-3, concurrency: int = 8,
+                    progress: Progress | None = None) -> SamplingResult:
     if seeds < 50:
         raise UsageError(f"--seeds {seeds} is too few for a distribution test; use at least 50 (200+ recommended).")
     if temperature <= 0:
@@ -192,7 +212,7 @@ def verify_sampling(generate: GenerateFn, tokenize: Callable[[str], list[int]], 
         return tokenize(text)[:positions]
 
     jobs = [(k, s) for s in range(1, seeds + 1) for k in (num_draft_tokens, 0)]
-    outs = _map(run, jobs, concurrency)
+    outs = _map(run, jobs, concurrency, progress, "sampling")
     spec, plain = outs[0::2], outs[1::2]
     result = SamplingResult(prompt=prompt, seeds=seeds, temperature=temperature, alpha=alpha,
                             threshold=alpha / positions)
@@ -208,8 +228,9 @@ def verify_sampling(generate: GenerateFn, tokenize: Callable[[str], list[int]], 
 def verify(generate: GenerateFn, tokenize: Callable[[str], list[int]], *, prompts: Sequence[str] = DEFAULT_PROMPTS,
            num_draft_tokens: int = 4, max_tokens: int = 32, sampling_seeds: int = 0, positions: int = 4,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, alpha: float = 1e-3,
-           concurrency: int = 8, out: Path | None = None) -> VerifyReport:
-    """Run the greedy identity check and (when `sampling_seeds` > 0) the distribution test."""
+           concurrency: int = 8, out: Path | None = None, progress: Progress | None = None) -> VerifyReport:
+    """Run the greedy identity check and (when `sampling_seeds` > 0) the distribution test.
+    `progress(phase, done, total)` is called as requests finish ("greedy", then "sampling")."""
     if num_draft_tokens <= 0:
         raise UsageError("--num-draft-tokens must be > 0: verify compares speculation (K > 0) against K = 0.")
     if not prompts:
@@ -218,12 +239,12 @@ def verify(generate: GenerateFn, tokenize: Callable[[str], list[int]], *, prompt
         raise UsageError(f"--seeds {sampling_seeds} is too few for a distribution test; use at least 50 "
                          "(200+ recommended), or 0 for the greedy check only.")
     greedy = verify_greedy(generate, tokenize, prompts, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
-                           concurrency=concurrency)
+                           concurrency=concurrency, progress=progress)
     sampling = None
     if sampling_seeds:
         sampling = verify_sampling(generate, tokenize, prompts[0], num_draft_tokens=num_draft_tokens,
                                    seeds=sampling_seeds, positions=positions, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, alpha=alpha, concurrency=concurrency)
+                                   top_p=top_p, alpha=alpha, concurrency=concurrency, progress=progress)
     report = VerifyReport(num_draft_tokens=num_draft_tokens, greedy=greedy, sampling=sampling)
     if out:
         from specbuild.pipeline.manifest import atomic_write_text

@@ -76,3 +76,23 @@ def test_load_prompts_formats(tmp_path):
         assert load_prompts(tmp_path / name) == ["x", "y"]
     with pytest.raises(UsageError):
         load_prompts(tmp_path / "missing.txt")
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_progress_reports_every_request_of_each_phase_in_order(concurrency):
+    from specbuild.pipeline.verify import verify
+
+    def generate(prompt, *, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed):
+        rng = random.Random(seed or 0)
+        return " ".join(rng.choice("abc") for _ in range(max_tokens))
+
+    seen = []
+    report = verify(generate, lambda t: [ord(c) for c in t.split()], prompts=["p1", "p2", "p3"],
+                    num_draft_tokens=2, max_tokens=3, sampling_seeds=50, positions=2, concurrency=concurrency,
+                    progress=lambda phase, done, total: seen.append((phase, done, total)))
+    assert report.ok
+    greedy = [s for s in seen if s[0] == "greedy"]
+    sampling = [s for s in seen if s[0] == "sampling"]
+    assert greedy == [("greedy", i, 6) for i in range(7)]          # 3 prompts x (K, 0), from 0 of 6 to 6 of 6
+    assert sampling == [("sampling", i, 100) for i in range(101)]   # 50 seeds x (K, 0)
+    assert seen.index(greedy[-1]) < seen.index(sampling[0])
