@@ -59,7 +59,8 @@ def check_command(target, draft, allow_pickle, trust_remote_code, backend, force
 @workdir_option
 @backend_option
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
-              help="Weight dtype of the converted checkpoints (float32 is the right choice on CPU).")
+              help="Weight dtype of the converted checkpoints (float32 is the right choice on CPU; with "
+                   "--backend trtllm the default is float16).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel size (trtllm only; embedded needs 1).")
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
@@ -83,6 +84,9 @@ def convert_command(target, draft, allow_pickle, trust_remote_code, workdir, bac
       specbuild convert --target ./qwen2-7b --draft ./qwen2-0.5b --dtype bfloat16 --workdir /data/work
       specbuild convert --target ./llama-8b --draft ./llama-1b --backend trtllm --tp 2 --dry-run
     """
+    if backend == "trtllm" and click.get_current_context().get_parameter_source("dtype") is \
+            click.core.ParameterSource.DEFAULT:
+        dtype = "float16"  # the trtllm default (upstream's DTM recipe); float32 is the embedded CPU default
     result = convert(target, draft, workdir=workdir, backend=backend, dtype=dtype, tp=tp, pp=pp, force=force,
                      allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, dry_run=dry_run,
                      trtllm_version=trtllm_version, quantization=quantization, progress=_stderr)

@@ -74,6 +74,8 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
     extra = {k: v for k, v in trtllm.items() if v is not None}
     if fast_logits:
         extra["fast_logits"] = True
+    if force and backend == "trtllm":
+        extra["force_version"] = True  # also accept a TensorRT-LLM version outside the version table
     if extra and backend != "trtllm":
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         raise UsageError(f"{flags} apply to --backend trtllm only.")

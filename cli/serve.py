@@ -30,7 +30,15 @@ def _say(msg: str) -> None:
               help="tritonserver binary. Default: `tritonserver` on PATH, else the nvidia-pytriton wheel's.")
 @click.option("--log-verbose", type=click.IntRange(min=0), default=0, show_default=True,
               help="tritonserver --log-verbose level (log in WORKDIR/server/tritonserver.log).")
-def serve_command(workdir, host, http_port, grpc_port, metrics_port, timeout, background, binary, log_verbose):
+@click.option("--rehearse", is_flag=True, default=False,
+              help="Rehearse a `deploy --backend trtllm` repository on the CPU tritonserver: upstream's own "
+                   "preprocessing/postprocessing/tensorrt_llm_bls from --backend-models-dir, and a stand-in for "
+                   "the C++ tensorrt_llm models (see docs/deploying-on-gpus.md).")
+@click.option("--backend-models-dir", default=None, metavar="DIR",
+              help="With --rehearse: a tensorrtllm_backend checkout of the deployed release tag, its "
+                   "all_models/inflight_batcher_llm, or a container's /app/all_models.")
+def serve_command(workdir, host, http_port, grpc_port, metrics_port, timeout, background, binary, log_verbose,
+                  rehearse, backend_models_dir):
     """Serve WORKDIR/model_repository/ with a real Triton Inference Server.
 
     Runs in the foreground until Ctrl-C (then stops cleanly), or with --background returns
@@ -41,16 +49,27 @@ def serve_command(workdir, host, http_port, grpc_port, metrics_port, timeout, ba
       specbuild serve
       specbuild serve --background --http-port 18000 --grpc-port 18001 --metrics-port 18002
       specbuild serve --host 0.0.0.0        # reachable from other machines
+      specbuild serve --rehearse --backend-models-dir ./tensorrtllm_backend --background
     """
     opts = lib.ServeOptions(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                             timeout=timeout, tritonserver=binary, log_verbose=log_verbose)
+    if backend_models_dir and not rehearse:
+        raise click.UsageError("--backend-models-dir applies to --rehearse only.")
+    if rehearse:
+        from specbuild.pipeline import rehearse as reh
+        start = lambda: reh.start(workdir, opts, backend_models_dir=backend_models_dir, progress=_say)  # noqa: E731
+        foreground = lambda: reh.serve_foreground(workdir, opts, backend_models_dir=backend_models_dir,  # noqa: E731
+                                                  progress=_say)
+    else:
+        start = lambda: lib.start(workdir, opts, progress=_say)  # noqa: E731
+        foreground = lambda: lib.serve_foreground(workdir, opts, progress=_say)  # noqa: E731
     if background:
-        info = lib.start(workdir, opts, progress=_say)
+        info = start()
         click.echo(f"serving (pid {info.pid}): HTTP {info.http_url}  gRPC {info.grpc_url}  "
                    f"metrics {info.metrics_url}\n  log: {info.log_file}\n  stop: specbuild stop --workdir {workdir}")
         return
     _say("Ctrl-C stops the server.")
-    lib.serve_foreground(workdir, opts, progress=_say)
+    foreground()
     click.echo("server stopped.")
 
 

@@ -15,7 +15,9 @@ TensorRT-LLM 0.18): dims exclude the batch dimension (the models have `max_batch
   whole TensorRT-LLM draft-target deployment is non-decoupled (nothing streams, the ensemble included);
   the embedded deployment streams. See docs/deploying-on-gpus.md.
 
-Note on naming: upstream renamed `min_length` to `min_tokens`; the contract uses `min_tokens`.
+Note on naming: later upstream backends call them `min_tokens` / `seed`; the contract uses those. The
+TensorRT-LLM releases specbuild deploys (tensorrtllm_backend 0.18.x, 0.19.0) call them `min_length` /
+`random_seed` and 0.18 has no perf-metric outputs: see the per-release section at the end of this module.
 HTTP clients send the same names as JSON keys to `POST /v2/models/<model>/generate`.
 """
 
@@ -124,3 +126,79 @@ def _dtype_name(data_type: Any) -> str:
         from tritonclient.grpc import model_config_pb2
         return model_config_pb2.DataType.Name(data_type)
     return str(data_type)
+
+
+# ---- TensorRT-LLM deployments: what each pinned tensorrtllm_backend release accepts -----------------------
+# The embedded deployment implements the contract above. A TensorRT-LLM deployment serves upstream's own
+# ensemble / tensorrt_llm_bls of its release, whose inputs are read from the release tags into
+# engines/trtllm/upstream_facts.json. Differences a client must know (tags v0.18.0-v0.18.2, v0.19.0):
+#
+# | contract name          | v0.18.x                        | v0.19.0                         |
+# |------------------------|--------------------------------|---------------------------------|
+# | seed                   | random_seed                    | random_seed                     |
+# | min_tokens             | min_length                     | min_length                      |
+# | return_perf_metrics    | absent (return_kv_cache_reuse_stats) | present, with acceptance_rate, total_accepted_draft_tokens, total_draft_tokens |
+# | stream on the BLS with num_draft_tokens > 0 | required, false (validate calls stream.any()) | required, false (same) |
+#
+# On the BLS speculative path (num_draft_tokens > 0) both releases need exclude_input_in_output false (their
+# loop feeds output_ids back as the prompt) and return text_output = prompt + completion; the client strips the
+# prompt itself. Without perf-metric outputs, acceptance is measured client-side (tokens per round).
+
+TRTLLM_RENAMES = {"seed": "random_seed", "min_tokens": "min_length"}
+
+
+def trtllm_family(target: str) -> str | None:
+    """'trtllm-0.18' -> '0.18'; anything else (e.g. 'embedded') -> None."""
+    return target.removeprefix("trtllm-") if target.startswith("trtllm-") else None
+
+
+def trtllm_input_names(family: str, model: str) -> set[str]:
+    from specbuild.engines.trtllm.upstream_facts import input_names
+    return input_names(family, model)
+
+
+def trtllm_output_names(family: str, model: str) -> set[str]:
+    from specbuild.engines.trtllm.upstream_facts import output_names
+    return output_names(family, model)
+
+
+def contract_name_for(family: str, model: str, name: str) -> str | None:
+    """The tensor a release declares for a contract input (renamed where needed), None if it has none."""
+    names = trtllm_input_names(family, model)
+    if name in names:
+        return name
+    renamed = TRTLLM_RENAMES.get(name)
+    return renamed if renamed in names else None
+
+
+def request_problems(target: str, model: str, request: dict[str, Any]) -> list[str]:
+    """Why `request` (tensor name -> value) would fail or be silently ignored on `target` ('embedded' or
+    'trtllm-<family>'); empty = fine. Clients call this before sending to a TensorRT-LLM deployment."""
+    family = trtllm_family(target)
+    if family is None:
+        known = {t.name for t in inputs_for(model)}
+        return [f"{model}: {n!r} is not a contract input" for n in request if n not in known and n != "proposer"]
+    names = trtllm_input_names(family, model)
+    problems = []
+    for key in request:
+        if key in names:
+            continue
+        renamed = TRTLLM_RENAMES.get(key)
+        if renamed in names:
+            problems.append(f"{model} (tensorrtllm_backend {family}): {key!r} is called {renamed!r} in this release")
+        else:
+            problems.append(f"{model} (tensorrtllm_backend {family}): no input {key!r} in this release; Triton "
+                            "rejects the request")
+    speculative = model == SPECULATIVE_MODEL and int(request.get("num_draft_tokens") or 0) > 0
+    if speculative:
+        if request.get("exclude_input_in_output"):
+            problems.append(f"{model} (tensorrtllm_backend {family}): exclude_input_in_output=true breaks upstream's "
+                            "speculative loop (it assumes output_ids hold the prompt); send false and strip the "
+                            "prompt from text_output")
+        if "stream" not in request:
+            problems.append(f"{model} (tensorrtllm_backend {family}): send stream=false with num_draft_tokens > 0 "
+                            "(upstream's validate calls stream.any(); without it the request fails)")
+        elif request.get("stream"):
+            problems.append(f"{model} (tensorrtllm_backend {family}): streaming is not supported with speculative "
+                            "decoding (upstream BLS)")
+    return problems

@@ -73,13 +73,19 @@ def test_version_matrix():
     assert (r.trtllm_version, r.generation, r.container) == (
         "0.18.0", ENGINE, "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3")
     assert resolve("1.0.0").generation == LLMAPI
-    assert resolve("1.1.0", generation="engine", container_tag="my/tag:1").container == "my/tag:1"
+    with pytest.raises(UsageError, match="not in the version table"):    # 1.1 engine path: no backend release read
+        resolve("1.1.0", generation="engine", container_tag="my/tag:1")
+    forced = resolve("1.1.0", generation="engine", container_tag="my/tag:1", force=True)
+    assert (forced.container, forced.backend_family, forced.untested) == ("my/tag:1", "0.19", True)
+    assert resolve("0.18.2").backend_family == "0.18" and resolve("0.19.0", container_tag="t:1").backend_family == "0.19"
     assert resolve(installed="0.18.2").detected is True
     for bad in ("0.9.0", "1.2.0", "banana"):
         with pytest.raises(UsageError, match="supported TensorRT-LLM combinations"):
             resolve(bad)
-    with pytest.raises(UsageError, match="--container-tag"):
+    with pytest.raises(UsageError, match="not in the version table"):
         resolve("0.17.0")
+    with pytest.raises(UsageError, match="--container-tag"):
+        resolve("0.19.0")
     with pytest.raises(UsageError, match="tensorrt_llm 0.18.0 is installed"):
         resolve("0.17.0", installed="0.18.0")
     assert "llmapi path" in supported_matrix()

@@ -37,7 +37,7 @@ def test_convert_dry_run_through_run_stage_is_exact_per_rank(tmp_path, opts, tin
     sources = json.loads(written(out.plan)[str(ck / "sources.json")])
     assert sources["recipe"] == {"trtllm_version": "0.18.0", "generation": "engine",
                                  "container": "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3",
-                                 "detected": False}
+                                 "detected": False, "backend_family": "0.18", "untested": False}
     assert sources["target"]["vocab_size"] == sources["draft"]["vocab_size"]
     assert not (tmp_path / "checkpoints").exists(), "a dry run writes nothing"
 
@@ -186,3 +186,35 @@ def test_fast_logits_need_a_draft_built_with_logits(tmp_path, opts):
     notes = [s.note for s in deploy.plan(context("deploy", tmp_path, {"fast_logits": True, "max_batch_size": 64},
                                                  upstream=upstream)) if s.kind == "note"]
     assert any(n.startswith("ignored --max-batch-size 64") for n in notes)
+
+
+def test_dry_runs_use_what_convert_recorded_and_say_what_they_cannot_know(tmp_path, tiny_llama, tiny_llama_draft,
+                                                                          monkeypatch):
+    """A bfloat16 --tp 2 convert: build's dry run must show bfloat16 plugins (not the CLI's float32 default) and
+    deploy's dry run two target GPUs; without a convert manifest the plan says it cannot know."""
+    from click.testing import CliRunner
+
+    from specbuild.cli.main import cli
+    from specbuild.pipeline.manifest import Manifest, write_manifest
+    work = tmp_path / "w"
+    r = CliRunner().invoke(cli, ["build", "--backend", "trtllm", "--workdir", str(work), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "convert has not run" in r.output and "cannot know" in r.output
+    assert "--gemm_plugin float16" in r.output and "--max_seq_len 4096" in r.output   # trtllm defaults
+    # a convert that ran (in the container) recorded bfloat16, tp 2
+    ck = work / "checkpoints"
+    ck.mkdir(parents=True)
+    rec = {"target_dir": str(tiny_llama), "draft_dir": str(tiny_llama_draft), "dtype": "bfloat16", "tp": 2,
+           "draft_tp": 1, "trtllm_version": "0.18.0"}
+    write_manifest(ck, Manifest(stage="convert", inputs={}, options={**rec, "backend": "trtllm"},
+                                outputs={"target_checkpoint": "target", "draft_checkpoint": "draft",
+                                         "tokenizer": "tokenizer"}, extra={"trtllm_options": rec}))
+    r = CliRunner().invoke(cli, ["build", "--backend", "trtllm", "--workdir", str(work), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "--gemm_plugin bfloat16" in r.output and "float32" not in r.output
+    assert "options recorded by convert" in r.output and "tp 2" in r.output
+    assert "ignored --" not in r.output
+    r = CliRunner().invoke(cli, ["deploy", "--backend", "trtllm", "--workdir", str(work), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert 'key: "gpu_device_ids" value: { string_value: "0,1" }' in r.output
+    assert "options recorded by convert" in r.output

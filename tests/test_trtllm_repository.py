@@ -1,5 +1,7 @@
 """The generated Triton repository: every config.pbtxt parses with tritonclient's protobuf, holds the
-required values, the ensemble is consistent, and the client-facing models match specbuild.pipeline.contract."""
+required values, the ensemble is consistent, each family matches the version table (upstream_facts.json,
+read from the tensorrtllm_backend tags) exactly, and the table matches a tag checkout when one is given
+($SPECBUILD_TRTLLM_BACKEND_DIR)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ from trtllm_support import context, written
 from specbuild.pipeline.contract import (CLIENT_INPUTS, CLIENT_OUTPUTS, ENSEMBLE_MODEL, SPECULATIVE_MODEL, TensorSpec,
                                 contract_mismatches, inputs_for)
 from specbuild.engines.trtllm import deploy
+from specbuild.engines.trtllm import upstream_facts
 from specbuild.engines.trtllm.repository import ensemble_problems, render, template, upstream_mismatches
-from specbuild.pipeline.errors import SpecbuildError
+from specbuild.pipeline.errors import SpecbuildError, UsageError
+
+PARAM_UNSET = "${"   # a parameter deploy does not set keeps upstream's literal placeholder (fill_template)
 
 
 def parse(text: str) -> model_config_pb2.ModelConfig:
@@ -22,15 +27,17 @@ def parse(text: str) -> model_config_pb2.ModelConfig:
 
 
 def params(cfg) -> dict[str, str]:
-    return {k: v.string_value for k, v in cfg.parameters.items()}
+    """The parameters deploy set (unset ones keep upstream's literal ${...})."""
+    return {k: v.string_value for k, v in cfg.parameters.items() if not v.string_value.startswith(PARAM_UNSET)}
 
 
 def repo_configs(tmp_path, options) -> dict[str, model_config_pb2.ModelConfig]:
     files = written(deploy.plan(context("deploy", tmp_path, options)))
     configs = {}
     for path, text in files.items():
-        assert "${" not in text, f"placeholder left in {path}"
         if path.endswith("config.pbtxt"):
+            outside = [ln for ln in text.splitlines() if "${" in ln and not ln.startswith("parameters:")]
+            assert not outside, f"structural placeholder left in {path}: {outside}"
             cfg = parse(text)
             assert Path(path).parent.name == cfg.name
             configs[cfg.name] = cfg
@@ -69,7 +76,7 @@ def test_engine_models_hold_every_required_parameter(tmp_path, opts):
         assert "participant_ids" not in p and "speculative_decoding_fast_logits" not in p
         names = {t.name for t in cfg.input}
         assert {"draft_input_ids", "draft_logits", "input_ids", "request_output_len"} <= names
-    bls = params(configs["tensorrt_llm_bls"])
+    bls = {k: v.string_value for k, v in configs["tensorrt_llm_bls"].parameters.items()}
     assert bls == {"accumulate_tokens": "false", "tensorrt_llm_model_name": "tensorrt_llm",
                    "tensorrt_llm_draft_model_name": "tensorrt_llm_draft", "multimodal_encoders_name": ""}
     assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled is False
@@ -89,13 +96,21 @@ def test_separate_gpus_use_full_fractions_and_fast_logits_set_participants(tmp_p
     assert t["speculative_decoding_fast_logits"] == d["speculative_decoding_fast_logits"] == "1"
 
 
+@pytest.mark.parametrize("version", ["0.18.0", "0.19.0"])
 @pytest.mark.parametrize("model", [ENSEMBLE_MODEL, SPECULATIVE_MODEL])
-def test_client_contract_matches_generated_configs(tmp_path, opts, model):
-    cfg = repo_configs(tmp_path, opts)[model]
-    assert contract_mismatches(model, cfg.input, cfg.output) == []
+def test_client_facing_inputs_per_release(tmp_path, opts, model, version):
+    extra = {} if version.startswith("0.18") else {"container_tag": "example.invalid/x:1"}
+    cfg = repo_configs(tmp_path, {**opts, "trtllm_version": version, **extra})[model]
     declared = {t.name for t in cfg.input}
-    assert {"text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed", "end_id", "stop_words",
-            "min_tokens", "exclude_input_in_output", "return_perf_metrics"} <= declared
+    # v0.18 / v0.19 call them random_seed and min_length (seed / min_tokens are later names)
+    assert {"text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "end_id",
+            "stop_words", "min_length", "exclude_input_in_output"} <= declared
+    assert not {"seed", "min_tokens"} & declared
+    assert ("return_perf_metrics" in declared) == version.startswith("0.19")
+    outs = {t.name for t in cfg.output}
+    assert ({"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"} <= outs) == \
+        version.startswith("0.19")
+    assert not {"acceptance_rate", "total_draft_tokens"} & outs or version.startswith("0.19")
     assert ("num_draft_tokens" in declared) == (model == SPECULATIVE_MODEL)
 
 
@@ -116,10 +131,10 @@ def test_ensemble_check_reports_broken_wiring(tmp_path, opts):
     broken = model_config_pb2.ModelConfig()
     broken.CopyFrom(configs["ensemble"])
     step = broken.ensemble_scheduling.step[1]
-    del step.input_map["input_ids"]
+    del step.input_map["request_output_len"]   # input_ids is optional upstream (encoder inputs)
     step.input_map["runtime_top_k"] = "temperature"
     problems = ensemble_problems({**configs, "ensemble": broken})
-    assert "tensorrt_llm required input 'input_ids' is not mapped" in problems
+    assert "tensorrt_llm required input 'request_output_len' is not mapped" in problems
     assert "tensorrt_llm.runtime_top_k dtype differs from 'temperature'" in problems
     assert "ensemble input 'top_k' is never used" in problems
 
@@ -134,15 +149,85 @@ def test_llmapi_repository_parses_and_carries_perf_metric_outputs(tmp_path, opts
 
 def test_render_refuses_missing_values():
     with pytest.raises(SpecbuildError, match="needs values for"):
-        render(template("inflight_batcher_llm/postprocessing/config.pbtxt"), {"triton_max_batch_size": 1})
+        render(upstream_facts.packaged_template("0.18", "postprocessing"), {"triton_max_batch_size": 1},
+               keep_unset_parameters=True)
 
 
-def test_upstream_mismatch_detects_missing_outputs(tmp_path, opts):
-    ours = template("inflight_batcher_llm/postprocessing/config.pbtxt")
-    ours = render(ours, {"trtllm_version": "0.18.0", "triton_max_batch_size": 8, "tokenizer_dir": "/t",
-                         "skip_special_tokens": True, "postprocessing_instance_count": 1})
-    extra = '  { name: "OUT_CUM_LOG_PROBS" data_type: TYPE_FP32 dims: [ -1 ] },\n'
-    theirs = ours.replace('output [\n', 'output [\n' + extra)
-    theirs = theirs.replace("max_batch_size: 8", "max_batch_size: ${triton_max_batch_size}")
-    assert upstream_mismatches(ours, ours) == []
-    assert upstream_mismatches(ours, theirs) == ["postprocessing: output 'OUT_CUM_LOG_PROBS' missing"]
+FAMILY_VERSIONS = {"0.18": "0.18.0", "0.19": "0.19.0"}
+
+
+@pytest.mark.parametrize("family", sorted(upstream_facts.families()))
+def test_templates_are_the_version_table(family):
+    for model in upstream_facts.MODELS:
+        text = upstream_facts.packaged_template(family, model).replace("${model_name}", "tensorrt_llm")
+        assert upstream_facts.extract_model(text) == upstream_facts.model_facts(family, model), model
+        assert upstream_facts.template_text(family, model) == upstream_facts.packaged_template(family, model)
+
+
+@pytest.mark.parametrize("family", sorted(upstream_facts.families()))
+def test_generated_configs_match_the_version_table_exactly(tmp_path, opts, family):
+    version = FAMILY_VERSIONS[family]
+    extra = {} if family == "0.18" else {"container_tag": "example.invalid/x:1"}
+    files = written(deploy.plan(context("deploy", tmp_path, {**opts, "trtllm_version": version, **extra})))
+    for path, text in files.items():
+        if not path.endswith("config.pbtxt"):
+            continue
+        model = Path(path).parent.name
+        table_model = "tensorrt_llm" if model == "tensorrt_llm_draft" else model
+        mine = upstream_facts.extract_model(text)
+        want = upstream_facts.model_facts(family, table_model)
+        for kind in ("inputs", "outputs"):
+            got = [{k: v for k, v in t.items()} for t in mine[kind]]
+            exp = [{k: v for k, v in t.items() if not (k == "data_type" and str(v).startswith("${"))}
+                   for t in want[kind]]
+            got = [{k: v for k, v in t.items() if k != "data_type" or k in e} for t, e in zip(got, exp)]
+            assert got == exp, (model, kind)
+        assert set(mine["parameters"]) == set(want["parameters"]), model
+        assert upstream_mismatches(text, upstream_facts.template_text(family, table_model)) == [], model
+
+
+def test_v018_defects_are_fixed(tmp_path, opts):
+    configs = repo_configs(tmp_path, {**opts, "trtllm_version": "0.18.0"})
+    trt = {t.name for t in configs["tensorrt_llm"].input}
+    assert "min_length" in trt and "min_tokens" not in trt          # the BLS sends min_length to draft calls
+    assert "random_seed" in trt and "seed" not in trt
+    pre = configs["preprocessing"].parameters
+    assert "visual_model_path" in pre and "multimodal_model_path" not in pre   # v0.18 model.py reads it
+    assert "return_perf_metrics" not in {t.name for t in configs["tensorrt_llm_bls"].input}
+    assert configs["tensorrt_llm"].parameters["exclude_input_in_output"].string_value == "false"
+    p19 = repo_configs(tmp_path / "b", {**opts, "trtllm_version": "0.19.0",
+                                        "container_tag": "example.invalid/x:1"})["preprocessing"].parameters
+    assert "multimodal_model_path" in p19 and "visual_model_path" not in p19
+
+
+def test_version_outside_the_table_is_refused_unless_forced(tmp_path, opts):
+    with pytest.raises(UsageError, match=r"not in the version table.*0\.18\.0, 0\.18\.1, 0\.18\.2, 0\.19\.0"):
+        deploy.plan(context("deploy", tmp_path, {**opts, "trtllm_version": "0.17.0", "container_tag": "x/y:1"}))
+    steps = deploy.plan(context("deploy", tmp_path, {**opts, "trtllm_version": "0.17.0", "container_tag": "x/y:1",
+                                                     "force_version": True}))
+    assert any("not in the version table" in (s.note or "") and "backend-0.18" in (s.note or "") for s in steps)
+
+
+def test_upstream_mismatch_compares_tensors_parameters_and_tensorrt_llm(tmp_path, opts):
+    files = written(deploy.plan(context("deploy", tmp_path, opts)))
+    by_model = {Path(p).parent.name: t for p, t in files.items() if p.endswith("config.pbtxt")}
+    # v0.19 templates have numeric placeholders everywhere; the comparison never substitutes into them
+    theirs19 = upstream_facts.template_text("0.19", "tensorrt_llm")
+    problems = upstream_mismatches(by_model["tensorrt_llm"], theirs19)
+    assert "tensorrt_llm: input 'return_perf_metrics' missing" in problems
+    assert "tensorrt_llm: parameter 'num_nodes' missing" in problems
+    assert "tensorrt_llm: input 'return_kv_cache_reuse_stats' is not declared upstream" in problems
+    pre = upstream_mismatches(by_model["preprocessing"], upstream_facts.template_text("0.19", "preprocessing"))
+    assert "preprocessing: parameter 'multimodal_model_path' missing" in pre
+    assert "preprocessing: parameter 'visual_model_path' is not declared upstream" in pre
+    for model in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm", "tensorrt_llm_bls"):
+        assert upstream_mismatches(by_model[model], upstream_facts.template_text("0.18", model)) == []
+
+
+def test_version_table_matches_the_tag_checkout():
+    from trtllm_support import upstream_backend_dir
+    root, family = upstream_backend_dir()      # skips without $SPECBUILD_TRTLLM_BACKEND_DIR
+    assert upstream_facts.extract_tree(root) == upstream_facts.families()[family]["models"]
+    for model in upstream_facts.MODELS:
+        ours = upstream_facts.template_text(family, model).replace("${model_name}", "tensorrt_llm")
+        assert upstream_mismatches(ours, (root / model / "config.pbtxt").read_text()) == [], model

@@ -180,3 +180,45 @@ def runs(steps: list[PlanStep]) -> list[list[str]]:
 
 def env_with_path(bindir: Path) -> str:
     return f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+# ---- upstream tensorrtllm_backend checkouts (tests that run upstream's own Python models) ----------------
+BACKEND_DIR_ENV = "SPECBUILD_TRTLLM_BACKEND_DIR"
+
+
+def upstream_backend_dir():
+    """(models dir, tag family) from $SPECBUILD_TRTLLM_BACKEND_DIR (a tensorrtllm_backend checkout of a release
+    tag, or its all_models/inflight_batcher_llm), or pytest.skip with the reason."""
+    import pytest
+
+    from specbuild.engines.trtllm.upstream_facts import extract_tree, families, models_dir
+    raw = os.environ.get(BACKEND_DIR_ENV)
+    if not raw:
+        pytest.skip(f"needs upstream's Python models: set {BACKEND_DIR_ENV} to a tensorrtllm_backend checkout of a "
+                    "release tag (e.g. git clone -b v0.18.0 https://github.com/triton-inference-server/"
+                    "tensorrtllm_backend) or its all_models/inflight_batcher_llm")
+    root = models_dir(raw)
+    tree = extract_tree(root)
+    for name, fam in families().items():
+        if fam["models"] == tree:
+            return root, name
+    pytest.fail(f"{root} matches no family of the version table ({sorted(families())}); add its release with "
+                "python -m specbuild.engines.trtllm.upstream_facts extract")
+
+
+def trtllm_chain(workdir: Path, target: Path, draft: Path, *, version: str, backend_models: Path,
+                 max_batch_size: int = 4, max_seq_len: int = 512, max_draft_len: int = 4,
+                 container_tag: str | None = None, **deploy_extra) -> Path:
+    """convert -> build -> deploy --backend trtllm through run_stage, with the recording tensorrt_llm stand-in and
+    fake trtllm-build (set up by the caller: PYTHONPATH / PATH / TRTLLM_STANDIN_LOG)."""
+    from specbuild.pipeline.stage import run_stage
+
+    common = {"trtllm_version": version, **({"container_tag": container_tag} if container_tag else {})}
+    run_stage("convert", backend="trtllm", workdir=workdir, inputs={"pair": "x"},
+              options={"target_dir": str(target), "draft_dir": str(draft), **common})
+    run_stage("build", backend="trtllm", workdir=workdir, inputs={}, upstream_stage="convert",
+              options={"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "max_input_len": max_seq_len // 2,
+                       "max_draft_len": max_draft_len, **common})
+    run_stage("deploy", backend="trtllm", workdir=workdir, inputs={}, upstream_stage="build",
+              options={"backend_models_dir": str(backend_models), **common, **deploy_extra})
+    return workdir

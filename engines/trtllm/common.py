@@ -99,6 +99,25 @@ BUILD_KEYS = CONVERT_KEYS + ("max_batch_size", "max_input_len", "max_seq_len", "
                              "use_draft_logits")
 
 
+def _earlier_manifest(ctx) -> tuple[str, dict | None]:
+    """(stage name, manifest) of the nearest earlier trtllm stage that has run: the upstream, or for a deploy
+    whose build has not run, the convert stage."""
+    if ctx.upstream is not None:
+        return PREVIOUS[ctx.stage], ctx.upstream
+    from specbuild.pipeline.manifest import read_manifest
+    from specbuild.pipeline.stage import stage_dir
+    stage = PREVIOUS[ctx.stage]
+    while stage:
+        try:
+            m = read_manifest(stage_dir(ctx.workdir, stage), stage)
+        except Exception:
+            m = None
+        if m is not None and (m.get("options") or {}).get("backend", "trtllm") == "trtllm":
+            return stage, m
+        stage = PREVIOUS.get(stage)
+    return PREVIOUS[ctx.stage], None
+
+
 def merged_options(ctx, fixed: tuple[str, ...]) -> tuple[dict[str, Any], list[str]]:
     """Upstream's effective options overlaid with this stage's (unset = inherit).
 
@@ -106,7 +125,8 @@ def merged_options(ctx, fixed: tuple[str, ...]) -> tuple[dict[str, Any], list[st
     the upstream value wins, and a different value given to this stage is reported in the returned
     notes (callers show them) instead of silently producing an inconsistent artifact.
     """
-    up = ctx.upstream or {}
+    _, up = _earlier_manifest(ctx)
+    up = up or {}
     base = dict(up.get("extra", {}).get("trtllm_options") or up.get("options") or {})
     mine = {k: v for k, v in ctx.options.items() if v is not None}
     notes = []
@@ -122,7 +142,58 @@ def upstream_settings(ctx, fixed: tuple[str, ...]) -> tuple[Settings, dict[str, 
     """Settings for a stage with an upstream (build, deploy), the merged options to record, and notes."""
     options, notes = merged_options(ctx, fixed)
     s = stage_settings(options)
+    notes.append(recorded_note(ctx, s))
+    if s.recipe.untested:
+        notes.append(f"TensorRT-LLM {s.recipe.trtllm_version} is not in the version table (accepted with --force): "
+                     f"the repository uses the backend-{s.recipe.backend_family} templates, unverified against its "
+                     "Triton models")
     if s.dtype == "float32":
         notes.append("dtype float32 makes TensorRT-LLM engines twice the size and speed cost of float16; "
                      "convert with --dtype float16 or bfloat16 for GPUs")
     return s, options, notes
+
+
+def recorded_note(ctx, s: Settings) -> str:
+    """What this stage took from the earlier stages' manifests, or that it could not know them (dry runs)."""
+    stage, manifest = _earlier_manifest(ctx)
+    shown = (f"dtype {s.dtype}, tp {s.tp}, pp {s.pp}, draft tp {s.draft_tp}, draft pp {s.draft_pp}"
+             + ("" if ctx.stage == "build" else f", max_seq_len {s.max_seq_len}, max_input_len {s.max_input_len}, "
+                f"max_batch_size {s.max_batch_size}, max_draft_len {s.max_draft_len}"))
+    if manifest is not None:
+        return f"options recorded by {stage} ({stage_path(ctx, stage)}/manifest.json): {shown}"
+    return (f"{stage} has not run in {ctx.workdir} (no manifest), so this plan cannot know what it will record; "
+            f"it assumes {shown} (this command's options and the trtllm defaults). The real run takes them from "
+            f"the {stage} manifest. Engine configs, tensorrt_llm's version and checkpoint files are not known either.")
+
+
+def stage_path(ctx, stage: str) -> Path:
+    from specbuild.pipeline.stage import stage_dir
+    return stage_dir(ctx.workdir, stage)
+
+
+# Defaults of the trtllm path where the shared CLI flags default to the embedded engine's values.
+TRTLLM_CLI_DEFAULTS = {"dtype": "float16", "tp": 1, "pp": 1, "max_seq_len": 4096, "max_batch_size": 8,
+                       "max_draft_len": 4}
+
+
+def cli_defaults(workdir, stage: str) -> dict[str, Any]:
+    """Values for the trtllm options a user did not pass on the `stage` command line: those the earlier stage
+    recorded in its manifest (dtype, tp, pp from convert), else the trtllm defaults."""
+    from specbuild.pipeline.manifest import read_manifest
+    from specbuild.pipeline.stage import stage_dir
+    out = dict(TRTLLM_CLI_DEFAULTS)
+    prev = PREVIOUS.get(stage)
+    while prev:
+        try:
+            m = read_manifest(stage_dir(workdir, prev), prev)
+        except Exception:
+            m = None
+        if m is not None:
+            rec = (m.get("extra") or {}).get("trtllm_options") or {}
+            out.update({k: rec[k] for k in ("dtype", "tp", "pp", "max_seq_len", "max_batch_size", "max_draft_len")
+                        if rec.get(k) is not None and k in out})
+            break
+        prev = PREVIOUS.get(prev)
+    if out["dtype"] not in ("float16", "bfloat16", "float32"):
+        out["dtype"] = "float16"
+    return out

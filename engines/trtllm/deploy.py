@@ -27,7 +27,7 @@ from specbuild.pipeline.stage import STAGE_DIRS, PlanStep, StageContext, StageRe
 from specbuild.engines.trtllm.build import llm_api_options, to_yaml
 from specbuild.engines.trtllm.common import BUILD_KEYS, source_dir, upstream_path, upstream_root, upstream_settings
 from specbuild.engines.trtllm.launch import engine_launch, launch_json, launch_script, llmapi_launch
-from specbuild.engines.trtllm.repository import (ENGINE_MODELS, LLMAPI_PYTHON_MODELS, PYTHON_MODELS,
+from specbuild.engines.trtllm.repository import (ENGINE_MODELS, LLMAPI_PYTHON_MODELS, PYTHON_MODELS, UPSTREAM_CONFIGS,
                                                  engine_repository, llmapi_repository, upstream_mismatches)
 from specbuild.engines.trtllm.settings import Settings
 from specbuild.engines.trtllm.versions import ENGINE
@@ -82,32 +82,56 @@ def plan(ctx: StageContext) -> list[PlanStep]:
     for rel, text in render_files(ctx, s, options).items():
         steps.append(PlanStep("write", path=str(out / rel), content=text))
     for model, src in _python_sources(s).items():
-        steps.append(PlanStep("note", note=f"copy {Path(s.backend_models_dir) / src} -> "
+        steps.append(PlanStep("note", note=f"copy {_models_root(s) / src} -> "
                                            f"{out / TRITON_DIR / model / '1'}"))
+    if s.recipe.generation == ENGINE:
+        steps.append(PlanStep("note", note=f"compare our configs with {_models_root(s)}/inflight_batcher_llm/*/"
+                                           "config.pbtxt (tensors, dims, optional flags, parameter keys) and refuse "
+                                           "a mismatch"))
     if s.recipe.generation == ENGINE:
         steps.append(PlanStep("note", note=f"copy {upstream_path(ctx, 'tokenizer')} -> {out / 'tokenizer'}"))
     return steps
 
 
+def _models_root(s: Settings) -> Path:
+    """--backend-models-dir as given (the container's all_models) or a tensorrtllm_backend checkout / its
+    all_models/inflight_batcher_llm dir: the directory that holds inflight_batcher_llm/."""
+    root = Path(s.backend_models_dir)
+    if s.recipe.generation == ENGINE and not (root / "inflight_batcher_llm").is_dir():
+        from specbuild.engines.trtllm.upstream_facts import models_dir
+        try:
+            return models_dir(root).parent
+        except FileNotFoundError:
+            return root
+    return root
+
+
 def _copy_python_models(s: Settings, triton: Path, files: dict[str, str]) -> list[dict[str, Any]]:
-    src_root = Path(s.backend_models_dir)
+    src_root = _models_root(s)
     checks = []
     for model, rel in _python_sources(s).items():
         src = src_root / rel
         if not (src / "model.py").is_file():
             raise ToolNotAvailable(
                 f"{src / 'model.py'} not found: the Triton Python models come from the TensorRT-LLM container. "
-                f"Run deploy inside {s.recipe.container}, or pass --backend-models-dir pointing at "
-                f"triton_backend/all_models of TensorRT-LLM v{s.recipe.trtllm_version}; or use --dry-run.")
-        upstream_cfg = src.parent / "config.pbtxt"
-        if upstream_cfg.is_file():
+                f"Run deploy inside {s.recipe.container}, or pass --backend-models-dir pointing at the container's "
+                f"/app/all_models or a checkout of tensorrtllm_backend v{s.recipe.trtllm_version}; or use --dry-run.")
+    if s.recipe.generation == ENGINE:
+        for model, rel in UPSTREAM_CONFIGS.items():
+            upstream_cfg = src_root / rel
+            if not upstream_cfg.is_file():
+                checks.append({"name": f"{model}_matches_container", "ok": True,
+                               "detail": f"not compared: {upstream_cfg} does not exist"})
+                continue
             problems = upstream_mismatches(files[f"{TRITON_DIR}/{model}/config.pbtxt"], upstream_cfg.read_text())
             if problems:
-                raise CheckFailed(f"the container's {model} model expects tensors our config lacks: {problems}. The "
-                                  f"container does not match TensorRT-LLM {s.recipe.trtllm_version}; use "
-                                  f"{s.recipe.container} or the matching --trtllm-version.")
+                raise CheckFailed(f"the container's {model} model does not match ours: {problems}. The container "
+                                  f"does not hold tensorrtllm_backend {s.recipe.trtllm_version} (version family "
+                                  f"{s.recipe.backend_family}); use {s.recipe.container} or the matching "
+                                  f"--trtllm-version.")
             checks.append({"name": f"{model}_matches_container", "ok": True})
-        shutil.copytree(src, triton / model / "1", dirs_exist_ok=True,
+    for model, rel in _python_sources(s).items():
+        shutil.copytree(src_root / rel, triton / model / "1", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return checks
 

@@ -2,13 +2,16 @@
 
 Engine path (`inflight_batcher_llm`): ensemble, preprocessing, postprocessing, tensorrt_llm (target
 engine), tensorrt_llm_draft (draft engine, same template), tensorrt_llm_bls (draft-target orchestration).
+The templates come in one family per tensorrtllm_backend release (`backend-<family>/`, written from the
+version table in upstream_facts.json, which was read from the release tags): input/output names, data
+types, dims, optional flags and parameter keys are exactly the tag's. Rendering follows upstream's
+`tools/fill_template.py`: every structural placeholder must be given, and a parameter we do not set keeps
+its literal `${key}` value, which upstream's models read as "unset" (as after fill_template).
 LLM-API path (`llmapi`): one `tensorrt_llm` Python model whose 1/model.yaml carries the LLM() arguments.
 
-Choice (see docs/deploying-on-gpus.md): the `config.pbtxt` files are ours (rendered here, tested as
-data); the Python model sources (`1/model.py` of preprocessing, postprocessing, tensorrt_llm_bls and
-the llmapi model) are the container's own, copied at deploy time from the pinned image, because the
-BLS loop must match the C++ backend of the same release. `upstream_mismatches` refuses a container
-whose own configs declare tensors ours lack.
+The Python model sources (`1/` of preprocessing, postprocessing, tensorrt_llm_bls and the llmapi model)
+are the container's own, copied at deploy time, because the BLS loop must match the C++ backend of the
+same release. `upstream_mismatches` refuses a container whose own configs differ from ours.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Any, Mapping
 
 from specbuild.pipeline.errors import SpecbuildError
 
+from specbuild.engines.trtllm import upstream_facts
 from specbuild.engines.trtllm.settings import Settings
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+PARAM_PLACEHOLDER = re.compile(r'string_value:\s*"\$\{([A-Za-z_][A-Za-z0-9_]*)\}"')
 TARGET_MODEL = "tensorrt_llm"
 DRAFT_MODEL = "tensorrt_llm_draft"
 ENGINE_MODELS = ("ensemble", "preprocessing", "postprocessing", TARGET_MODEL, DRAFT_MODEL, "tensorrt_llm_bls")
@@ -30,6 +35,10 @@ ENGINE_MODELS = ("ensemble", "preprocessing", "postprocessing", TARGET_MODEL, DR
 PYTHON_MODELS = {"preprocessing": "inflight_batcher_llm/preprocessing/1",
                  "postprocessing": "inflight_batcher_llm/postprocessing/1",
                  "tensorrt_llm_bls": "inflight_batcher_llm/tensorrt_llm_bls/1"}
+# Configs of the container compared with ours at deploy (the C++ model's too: it has no Python source).
+UPSTREAM_CONFIGS = {**{m: f"inflight_batcher_llm/{m}/config.pbtxt" for m in PYTHON_MODELS},
+                    TARGET_MODEL: "inflight_batcher_llm/tensorrt_llm/config.pbtxt",
+                    DRAFT_MODEL: "inflight_batcher_llm/tensorrt_llm/config.pbtxt"}
 LLMAPI_PYTHON_MODELS = {"tensorrt_llm": "llmapi/tensorrt_llm/1"}
 
 
@@ -38,13 +47,20 @@ def template(relpath: str) -> str:
     return (root / relpath).read_text()
 
 
-def render(text: str, values: Mapping[str, Any], name: str = "template") -> str:
-    """Substitute every ${key}; refuse unknown keys so no placeholder can survive into a config."""
-    missing = sorted({m.group(1) for m in PLACEHOLDER.finditer(text)} - set(values))
+def render(text: str, values: Mapping[str, Any], name: str = "template", *, keep_unset_parameters: bool = False) -> str:
+    """Substitute every ${key}; refuse unknown keys so no structural placeholder survives into a config.
+
+    With `keep_unset_parameters` (the upstream templates), a placeholder that is a whole parameter value and
+    has no value stays literal, exactly as upstream's fill_template leaves it.
+    """
+    needed = {m.group(1) for m in PLACEHOLDER.finditer(text)}
+    optional = {m.group(1) for m in PARAM_PLACEHOLDER.finditer(text)} if keep_unset_parameters else set()
+    missing = sorted(needed - optional - set(values))
     if missing:
         raise SpecbuildError(f"internal error: {name} needs values for {missing}")
-    out = PLACEHOLDER.sub(lambda m: _fmt(values[m.group(1)]), text)
-    if "${" in out:
+    out = PLACEHOLDER.sub(lambda m: _fmt(values[m.group(1)]) if m.group(1) in values else m.group(0), text)
+    left = {m.group(1) for m in PLACEHOLDER.finditer(out)}
+    if left - optional:
         raise SpecbuildError(f"internal error: {name} still holds a placeholder after rendering")
     return out
 
@@ -55,14 +71,6 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _param_block(params: Mapping[str, Any]) -> str:
-    lines = []
-    for key, value in params.items():
-        text = _fmt(value).replace("\\", "\\\\").replace('"', '\\"')
-        lines.append(f'parameters: {{ key: "{key}" value: {{ string_value: "{text}" }} }}')
-    return "\n".join(lines)
-
-
 def participant_ids(s: Settings) -> dict[str, str]:
     """Fast-logits MPI layout: rank 0 orchestrator, then the draft's ranks, then the target's."""
     draft = list(range(1, 1 + s.draft_world))
@@ -70,59 +78,83 @@ def participant_ids(s: Settings) -> dict[str, str]:
     return {DRAFT_MODEL: ",".join(map(str, draft)), TARGET_MODEL: ",".join(map(str, target))}
 
 
-def engine_parameters(s: Settings, role: str, engine_dir: Path) -> dict[str, Any]:
-    """Every parameter of a tensorrt_llm / tensorrt_llm_draft config (no placeholder left unset)."""
-    params: dict[str, Any] = {
+def engine_values(s: Settings, role: str, engine_dir: Path) -> dict[str, Any]:
+    """Placeholder values (upstream fill_template keys) of a tensorrt_llm / tensorrt_llm_draft config.
+
+    Keys left out (e.g. max_tokens_in_paged_kv_cache, medusa_choices) stay unset, as in upstream's recipe.
+    """
+    values: dict[str, Any] = {
+        "triton_backend": "tensorrtllm",
+        "decoupled_mode": False,      # draft-target (BLS) calls both engines non-streaming
         "max_beam_width": 1,
-        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-        "gpt_model_type": "inflight_fused_batching",
-        "gpt_model_path": str(engine_dir),
+        "batching_strategy": "inflight_fused_batching",
+        "engine_dir": str(engine_dir),
         "batch_scheduler_policy": "guaranteed_no_evict",
         "kv_cache_free_gpu_mem_fraction": (s.kv_cache_free_gpu_mem_fraction if role == "target"
                                            else s.draft_kv_cache_free_gpu_mem_fraction),
         "enable_kv_cache_reuse": True,
         "enable_chunked_context": False,
-        "exclude_input_in_output": s.exclude_input_in_output,
+        # false is required on the BLS speculative path: upstream's loop feeds output_ids (prompt + new tokens)
+        # back as the next input_ids. Clients must not override it per request there (contract.py).
+        "exclude_input_in_output": False,
         "normalize_log_probs": True,
         "cancellation_check_period_ms": 100,
         "stats_check_period_ms": 100,
         "gpu_device_ids": s.target_gpu_ids if role == "target" else s.draft_gpu_ids,
         "encoder_input_features_data_type": "TYPE_FP16",
-        "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
     }
     if s.fast_logits:
-        params["speculative_decoding_fast_logits"] = 1
-        params["participant_ids"] = participant_ids(s)[TARGET_MODEL if role == "target" else DRAFT_MODEL]
-    return params
+        values["speculative_decoding_fast_logits"] = 1
+        values["participant_ids"] = participant_ids(s)[TARGET_MODEL if role == "target" else DRAFT_MODEL]
+    return values
+
+
+# Kept for callers of the old name: the parameters we set, keyed by parameter (not placeholder) name.
+def engine_parameters(s: Settings, role: str, engine_dir: Path) -> dict[str, Any]:
+    family = s.recipe.backend_family or upstream_facts.nearest_family(s.recipe.trtllm_version)
+    values = engine_values(s, role, engine_dir)
+    out = {}
+    for key, tmpl in upstream_facts.model_facts(family, "tensorrt_llm")["parameters"].items():
+        m = PLACEHOLDER.fullmatch(tmpl)
+        if m and m.group(1) in values:
+            out[key] = values[m.group(1)]
+    return out
+
+
+def family_of_settings(s: Settings) -> str:
+    if not s.recipe.backend_family:
+        raise SpecbuildError(f"internal error: no backend family for TensorRT-LLM {s.recipe.trtllm_version}")
+    return s.recipe.backend_family
 
 
 def engine_repository(s: Settings, *, engines_dir: Path, tokenizer_dir: Path) -> dict[str, str]:
     """{relative path: content} of the inflight_batcher_llm repository (config.pbtxt files)."""
-    common = {"trtllm_version": s.recipe.trtllm_version, "triton_max_batch_size": s.max_batch_size,
-              "max_queue_delay_microseconds": 0, "max_queue_size": 0, "logits_datatype": "TYPE_FP32"}
+    family = family_of_settings(s)
+
+    def tmpl(model: str) -> str:
+        return upstream_facts.packaged_template(family, model)
+
+    common = {"triton_max_batch_size": s.max_batch_size, "max_queue_delay_microseconds": 0, "max_queue_size": 0,
+              "logits_datatype": "TYPE_FP32"}
     files: dict[str, str] = {}
-    base = "inflight_batcher_llm"
-    files["ensemble/config.pbtxt"] = render(template(f"{base}/ensemble/config.pbtxt"),
-                                            {**common, "tensorrt_llm_model_name": TARGET_MODEL}, "ensemble")
+    files["ensemble/config.pbtxt"] = render(tmpl("ensemble"), common, "ensemble", keep_unset_parameters=True)
     files["preprocessing/config.pbtxt"] = render(
-        template(f"{base}/preprocessing/config.pbtxt"),
-        {**common, "tokenizer_dir": tokenizer_dir, "add_special_tokens": True,
-         "engine_dir": engines_dir / "target", "preprocessing_instance_count": s.max_batch_size}, "preprocessing")
+        tmpl("preprocessing"),
+        {**common, "tokenizer_dir": tokenizer_dir, "add_special_tokens": True, "engine_dir": engines_dir / "target",
+         "preprocessing_instance_count": s.max_batch_size}, "preprocessing", keep_unset_parameters=True)
     files["postprocessing/config.pbtxt"] = render(
-        template(f"{base}/postprocessing/config.pbtxt"),
+        tmpl("postprocessing"),
         {**common, "tokenizer_dir": tokenizer_dir, "skip_special_tokens": True,
-         "postprocessing_instance_count": s.max_batch_size}, "postprocessing")
+         "postprocessing_instance_count": s.max_batch_size}, "postprocessing", keep_unset_parameters=True)
     for name, role in ((TARGET_MODEL, "target"), (DRAFT_MODEL, "draft")):
-        # Draft-target (BLS) calls both engines non-streaming: decoupled false on both.
         files[f"{name}/config.pbtxt"] = render(
-            template(f"{base}/tensorrt_llm/config.pbtxt"),
-            {**common, "model_name": name, "decoupled_mode": False,
-             "parameters": _param_block(engine_parameters(s, role, engines_dir / role))}, name)
+            tmpl("tensorrt_llm"), {**common, "model_name": name, **engine_values(s, role, engines_dir / role)},
+            name, keep_unset_parameters=True)
     files["tensorrt_llm_bls/config.pbtxt"] = render(
-        template(f"{base}/tensorrt_llm_bls/config.pbtxt"),
+        tmpl("tensorrt_llm_bls"),
         {**common, "decoupled_mode": False, "accumulate_tokens": False, "bls_instance_count": s.bls_instance_count,
-         "tensorrt_llm_model_name": TARGET_MODEL, "tensorrt_llm_draft_model_name": DRAFT_MODEL},
-        "tensorrt_llm_bls")
+         "tensorrt_llm_model_name": TARGET_MODEL, "tensorrt_llm_draft_model_name": DRAFT_MODEL,
+         "multimodal_encoders_name": ""}, "tensorrt_llm_bls", keep_unset_parameters=True)
     return files
 
 
@@ -142,25 +174,41 @@ def parse_config(text: str):
 
 
 def upstream_mismatches(ours: str, upstream: str) -> list[str]:
-    """Tensors the container's own config declares that ours lacks or types differently.
+    """Where our rendered config differs from the container's (or a release tag's) own template.
 
-    The container's Python models look their output configs up by name at start-up, so ours must
-    declare every output and every required input theirs does (placeholders in their template are
-    neutralised before parsing).
+    Compares, without substituting anything into upstream's placeholders (upstream_facts reads them by
+    name): every input (data type, dims, optional, reshape), every output (data type, dims), and the
+    parameter keys, in both directions. A data type that is a placeholder upstream (logits_datatype,
+    encoder_input_features_data_type) accepts any value; the model name is not compared (the draft is
+    rendered from the tensorrt_llm template).
     """
-    upstream = PLACEHOLDER.sub(lambda m: "1" if "batch" in m.group(1) or "count" in m.group(1) else
-                               ("TYPE_FP32" if "datatype" in m.group(1) else "false"), upstream)
-    mine, theirs = parse_config(ours), parse_config(upstream)
+    mine, theirs = upstream_facts.extract_model(ours), upstream_facts.extract_model(upstream)
+    name = mine["name"]
     problems = []
-    for kind in ("input", "output"):
-        have = {t.name: t for t in getattr(mine, kind)}
-        for t in getattr(theirs, kind):
-            if kind == "input" and t.optional:
-                continue  # absent optional inputs read as None in the Python models
-            if t.name not in have:
-                problems.append(f"{theirs.name}: {kind} {t.name!r} missing")
-            elif have[t.name].data_type != t.data_type:
-                problems.append(f"{theirs.name}: {kind} {t.name!r} type differs")
+    for kind, fields in (("inputs", ("data_type", "dims", "optional", "reshape")), ("outputs", ("data_type", "dims"))):
+        have = {t["name"]: t for t in mine[kind]}
+        want = {t["name"]: t for t in theirs[kind]}
+        word = kind[:-1]
+        for tname, t in want.items():
+            if tname not in have:
+                problems.append(f"{name}: {word} {tname!r} missing")
+                continue
+            for field in fields:
+                a, b = have[tname].get(field), t.get(field)
+                if field == "data_type" and str(b).startswith("${"):
+                    continue
+                if a != b:
+                    problems.append(f"{name}: {word} {tname!r} {field} is {a!r}, upstream has {b!r}")
+        problems += [f"{name}: {word} {tname!r} is not declared upstream" for tname in have if tname not in want]
+    for key in theirs["parameters"]:
+        if key not in mine["parameters"]:
+            problems.append(f"{name}: parameter {key!r} missing")
+    problems += [f"{name}: parameter {key!r} is not declared upstream" for key in mine["parameters"]
+                 if key not in theirs["parameters"]]
+    if (mine["backend"], mine["platform"]) != (theirs["backend"], theirs["platform"]) and \
+            not str(theirs["backend"]).startswith("${"):
+        problems.append(f"{name}: backend {mine['backend']!r} / platform {mine['platform']!r}, upstream has "
+                        f"{theirs['backend']!r} / {theirs['platform']!r}")
     return problems
 
 

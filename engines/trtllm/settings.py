@@ -109,7 +109,8 @@ class Settings:
 def settings_from(options: Mapping[str, Any], installed: str | None = None) -> Settings:
     """Build and validate Settings from stage options (`installed` = detected tensorrt_llm version)."""
     recipe = resolve(options.get("trtllm_version"), options.get("trtllm_generation"),
-                     options.get("container_tag"), installed)
+                     options.get("container_tag"), installed,
+                     force=bool(options.get("force_version") or options.get("force")))
     raw_dtype = str(_get(options, "dtype", "float16")).lower()
     if raw_dtype not in DTYPES:
         raise UsageError(f"--dtype {raw_dtype!r} is not supported by TensorRT-LLM; choose float16, bfloat16 or "

@@ -47,19 +47,30 @@ class Recipe:
     generation: str
     container: str
     detected: bool          # True when the version came from an importable tensorrt_llm
+    backend_family: str | None = None   # engine path: the version-table family (upstream_facts), e.g. "0.18"
+    untested: bool = False  # engine path: the version is not in the table and was accepted with --force
 
     def to_dict(self) -> dict[str, object]:
         return {"trtllm_version": self.trtllm_version, "generation": self.generation,
-                "container": self.container, "detected": self.detected}
+                "container": self.container, "detected": self.detected,
+                "backend_family": self.backend_family, "untested": self.untested}
+
+
+def table_versions() -> list[str]:
+    """Engine-path TensorRT-LLM versions whose tensorrtllm_backend release is in the version table."""
+    from specbuild.engines.trtllm.upstream_facts import supported_versions
+    return supported_versions()
 
 
 def supported_matrix() -> str:
     """A human-readable table of what is supported (used in refusals and docs)."""
     lines = [
         "supported TensorRT-LLM combinations:",
-        f"  engine path (trtllm-build + Triton inflight_batcher_llm BLS): {ENGINE_RANGE[0]} <= version < "
-        f"{ENGINE_RANGE[1]}; pinned recipe {DEFAULT_VERSION} in {ENGINE_CONTAINERS['0.18']}; "
-        "other versions need --container-tag",
+        f"  engine path (trtllm-build + Triton inflight_batcher_llm BLS): TensorRT-LLM "
+        f"{', '.join(table_versions())} (the tensorrtllm_backend releases in the version table, "
+        "engines/trtllm/upstream_facts.json); pinned recipe "
+        f"{DEFAULT_VERSION} in {ENGINE_CONTAINERS['0.18']}; other versions need --container-tag; a version outside "
+        "the table only with --force (its templates are then the nearest older family's, unverified)",
         f"  llmapi path (PyTorch backend, speculative_config DraftTarget): {LLMAPI_RANGE[0]} <= version < "
         f"{LLMAPI_RANGE[1]}; container {LLMAPI_CONTAINER.format(version='<version>')}",
         "  TensorRT-LLM 1.0-1.1 offers both; choose with --trtllm-generation engine|llmapi (default llmapi).",
@@ -89,7 +100,7 @@ def default_generation(version: Version) -> str:
 
 
 def resolve(requested: str | None = None, generation: str | None = None,
-            container_tag: str | None = None, installed: str | None = None) -> Recipe:
+            container_tag: str | None = None, installed: str | None = None, force: bool = False) -> Recipe:
     """Pick the recipe for a requested version (or the installed one, or the pinned default).
 
     Raises UsageError, with the supported matrix in the message, for an unknown or unsupported
@@ -108,6 +119,19 @@ def resolve(requested: str | None = None, generation: str | None = None,
     if not lo <= Version(version.base_version) < hi:
         raise UsageError(f"TensorRT-LLM {text} does not support the {gen} path for draft-target speculative "
                          f"decoding.\n{supported_matrix()}")
+    family, untested = None, False
+    if gen == ENGINE:
+        from specbuild.engines.trtllm.upstream_facts import family_of, nearest_family
+        family = family_of(str(version))
+        if family is None:
+            if not force:
+                raise UsageError(f"TensorRT-LLM {text}: its tensorrtllm_backend release is not in the version table, "
+                                 f"so specbuild cannot write a repository known to match its Triton models. "
+                                 f"Supported: {', '.join(table_versions())}. Pass --force to use the nearest older "
+                                 f"family's templates unverified, or add the release to the table "
+                                 f"(python -m specbuild.engines.trtllm.upstream_facts extract ...).\n"
+                                 f"{supported_matrix()}")
+            family, untested = nearest_family(str(version)), True
     if container_tag:
         container = container_tag
     elif gen == LLMAPI:
@@ -119,7 +143,7 @@ def resolve(requested: str | None = None, generation: str | None = None,
                              f"(the tritonserver:<yy.mm>-trtllm-python-py3 image that ships it) or use "
                              f"--trtllm-version {DEFAULT_VERSION}.\n{supported_matrix()}")
     return Recipe(trtllm_version=str(version), generation=gen, container=container,
-                  detected=installed is not None)
+                  detected=installed is not None, backend_family=family, untested=untested)
 
 
 def supports_fast_logits(recipe: Recipe) -> bool:

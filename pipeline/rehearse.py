@@ -1,0 +1,211 @@
+"""`specbuild serve --rehearse`: run the TensorRT-LLM repository on the CPU tritonserver before a GPU box.
+
+What runs (assembled in `<workdir>/rehearsal/triton/`, the deployed repository is not touched):
+
+- `ensemble`, `preprocessing`, `postprocessing`, `tensorrt_llm_bls`: the configs exactly as
+  `deploy --backend trtllm` wrote them; the Python models (`1/`) of preprocessing, postprocessing and
+  tensorrt_llm_bls are **upstream's own**, copied from `--backend-models-dir` (a checkout of the matching
+  tensorrtllm_backend tag, its `all_models/inflight_batcher_llm`, or the container's /app/all_models).
+- `tensorrt_llm`, `tensorrt_llm_draft`: the deployed configs with only the `backend:` line changed to
+  "python", served by the stand-in (model_repository/rehearsal/tensorrt_llm_standin, engines/trtllm/standin.py)
+  that implements the C++ backend's request semantics, external draft tokens included, with the embedded
+  engine's parts.
+
+Weights: the trtllm convert writes TensorRT-LLM checkpoints, which the embedded loader cannot read, so the
+stand-in loads the Hugging Face source directories convert recorded in its manifest
+(`extra.trtllm_options.target_dir` / `draft_dir`, also in checkpoints/sources.json). Those directories must
+still exist on this machine.
+
+Refusals, each with the reason: no trtllm engine-path deployment; no or wrong `--backend-models-dir`; an
+upstream tree whose configs do not match the deployed family (e.g. v0.19 models for a v0.18 deployment);
+an upstream Python model needing a module this Python lacks; the source checkpoints gone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+from specbuild.pipeline.errors import CheckFailed, ToolNotAvailable, UsageError
+from specbuild.pipeline.manifest import read_manifest
+from specbuild.pipeline.stage import stage_dir
+
+REHEARSAL_DIR = "rehearsal"
+ENGINE_MODELS = ("tensorrt_llm", "tensorrt_llm_draft")
+UPSTREAM_PYTHON_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+ROLE = {"tensorrt_llm": "target", "tensorrt_llm_draft": "draft"}
+# Modules upstream's Python models import at module load (read from the v0.18.0 / v0.19.0 tags:
+# preprocessing/1/model.py, postprocessing/1/model.py, tensorrt_llm_bls/1/{model.py,lib/*.py}).
+UPSTREAM_IMPORTS = {"preprocessing": ("numpy", "requests", "PIL", "transformers"),
+                    "postprocessing": ("numpy", "transformers"),
+                    "tensorrt_llm_bls": ("numpy", "torch", "typing_extensions")}
+_BACKEND_LINE = re.compile(r'^backend:\s*"tensorrtllm"\s*$', re.M)
+
+
+def rehearsal_root(workdir: str | Path) -> Path:
+    return Path(workdir).resolve() / REHEARSAL_DIR
+
+
+def _deployment(workdir: Path) -> tuple[Path, dict[str, Any]]:
+    deploy_dir = stage_dir(workdir, "deploy")
+    manifest = read_manifest(deploy_dir, "deploy")
+    if (manifest.get("options") or {}).get("backend") != "trtllm":
+        raise UsageError(f"{deploy_dir} was not deployed with --backend trtllm; --rehearse rehearses the TensorRT-LLM "
+                         "repository (the embedded deployment runs with plain `specbuild serve`).")
+    recipe = (manifest.get("extra") or {}).get("recipe") or {}
+    if recipe.get("generation") != "engine":
+        raise UsageError(f"the deployment in {deploy_dir} is the {recipe.get('generation')} path; --rehearse covers "
+                         "the engine path (inflight_batcher_llm with tensorrt_llm_bls) only.")
+    if not (deploy_dir / "triton").is_dir():
+        raise UsageError(f"{deploy_dir}/triton is missing; re-run `specbuild deploy --backend trtllm`.")
+    return deploy_dir, manifest
+
+
+def _sources(workdir: Path, deploy_manifest: dict[str, Any]) -> dict[str, Path]:
+    """The Hugging Face directories of target and draft, as convert recorded them."""
+    rec: dict[str, Any] = {}
+    try:
+        conv = read_manifest(stage_dir(workdir, "convert"), "convert")
+        rec = (conv.get("extra") or {}).get("trtllm_options") or conv.get("options") or {}
+    except Exception:  # noqa: BLE001 - fall back to sources.json / the deploy record
+        sources = stage_dir(workdir, "convert") / "sources.json"
+        if sources.is_file():
+            data = json.loads(sources.read_text())
+            rec = {f"{r}_dir": data[r]["dir"] for r in ("target", "draft") if r in data}
+    rec = {**((deploy_manifest.get("extra") or {}).get("trtllm_options") or {}), **rec}
+    out = {}
+    for role in ("target", "draft"):
+        value = rec.get(f"{role}_dir")
+        if not value:
+            raise UsageError(f"no {role} source recorded: convert's manifest in {stage_dir(workdir, 'convert')} has no "
+                             f"{role}_dir; re-run `specbuild convert --backend trtllm`.")
+        path = Path(value)
+        if not (path / "config.json").is_file():
+            raise ToolNotAvailable(f"the {role} source {path} (recorded by convert) is gone; the rehearsal loads the "
+                                   "Hugging Face weights from there because the embedded loader cannot read "
+                                   "TensorRT-LLM checkpoints. Restore it or re-run convert.")
+        out[role] = path
+    return out
+
+
+def missing_modules() -> dict[str, list[str]]:
+    """Per upstream model, the modules it imports at load that this Python cannot import."""
+    out = {}
+    for model, mods in UPSTREAM_IMPORTS.items():
+        miss = [m for m in mods if importlib.util.find_spec(m) is None]
+        if miss:
+            out[model] = miss
+    return out
+
+
+def check_upstream(models_dir: Path, deployed: Path) -> list[str]:
+    """Mismatches between the upstream tree's configs and the deployed ones (empty = the same release)."""
+    from specbuild.engines.trtllm.repository import upstream_mismatches
+    problems = []
+    for model in (*UPSTREAM_PYTHON_MODELS, "ensemble", "tensorrt_llm"):
+        theirs = models_dir / model / "config.pbtxt"
+        if not theirs.is_file():
+            problems.append(f"{theirs} is missing")
+            continue
+        problems += upstream_mismatches((deployed / model / "config.pbtxt").read_text(), theirs.read_text())
+    return problems
+
+
+def prepare(workdir: str | Path, backend_models_dir: str | Path | None, *, slots: int = 4,
+            progress: Callable[[str], None] | None = None) -> Path:
+    """Assemble `<workdir>/rehearsal/triton/` and return it (refusing with the reason when it cannot)."""
+    from specbuild.engines.trtllm.upstream_facts import models_dir
+    say = progress or (lambda m: None)
+    workdir = Path(workdir).resolve()
+    deploy_dir, manifest = _deployment(workdir)
+    family = ((manifest.get("extra") or {}).get("recipe") or {}).get("backend_family")
+    if not backend_models_dir:
+        raise UsageError("--rehearse needs --backend-models-dir: a checkout of tensorrtllm_backend at the tag of the "
+                         f"deployed release (family {family}: "
+                         f"git clone -b v{manifest['extra']['recipe']['trtllm_version']} "
+                         "https://github.com/triton-inference-server/tensorrtllm_backend), its "
+                         "all_models/inflight_batcher_llm, or a TensorRT-LLM container's /app/all_models.")
+    try:
+        upstream = models_dir(backend_models_dir)
+    except FileNotFoundError as e:
+        raise UsageError(f"--backend-models-dir: {e}.") from None
+    for model in UPSTREAM_PYTHON_MODELS:
+        if not (upstream / model / "1" / "model.py").is_file():
+            raise UsageError(f"--backend-models-dir: {upstream / model / '1' / 'model.py'} is missing.")
+    deployed = deploy_dir / "triton"
+    problems = check_upstream(upstream, deployed)
+    if problems:
+        raise CheckFailed(f"the upstream models in {upstream} are not the release this repository was deployed for "
+                          f"(backend family {family}); check out the matching tag. Differences: {problems[:8]}"
+                          + (f" ... ({len(problems)} in all)" if len(problems) > 8 else ""))
+    missing = missing_modules()
+    if missing:
+        raise ToolNotAvailable(f"upstream's Python models import modules this Python lacks: {missing}; install them "
+                               "(CPU builds are enough: torch is used for dlpack only) and retry.")
+    sources = _sources(workdir, manifest)
+    opts = (manifest.get("extra") or {}).get("trtllm_options") or {}
+    root = rehearsal_root(workdir)
+    repo = root / "triton"
+    tmp = root / "triton.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    standin = (resources.files("specbuild.model_repository") / "rehearsal" / "tensorrt_llm_standin"
+               / "model.py").read_text()
+    for model_dir in sorted(p for p in deployed.iterdir() if (p / "config.pbtxt").is_file()):
+        name = model_dir.name
+        dst = tmp / name
+        (dst / "1").mkdir(parents=True)
+        config = (model_dir / "config.pbtxt").read_text()
+        if name in ENGINE_MODELS:
+            new, n = _BACKEND_LINE.subn('backend: "python"', config)
+            if n != 1:
+                raise CheckFailed(f"{model_dir / 'config.pbtxt'} has no `backend: \"tensorrtllm\"` line to replace.")
+            config = new
+            (dst / "1" / "model.py").write_text(standin)
+            (dst / "1" / "rehearsal.json").write_text(json.dumps(
+                {"role": ROLE[name], "hf_dir": str(sources[ROLE[name]]), "slots": slots,
+                 "max_seq_len": int(opts.get("max_seq_len") or 2048), "dtype": "float32"}, indent=2) + "\n")
+        elif name in UPSTREAM_PYTHON_MODELS:
+            shutil.rmtree(dst / "1")
+            shutil.copytree(upstream / name / "1", dst / "1", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (dst / "config.pbtxt").write_text(config)
+    info = {"deployment": str(deployed), "backend_family": family, "upstream_models": str(upstream),
+            "sources": {k: str(v) for k, v in sources.items()},
+            "changed": {m: 'backend: "tensorrtllm" -> backend: "python" (stand-in)' for m in ENGINE_MODELS},
+            "upstream_python_models": list(UPSTREAM_PYTHON_MODELS)}
+    (tmp / ".." / "rehearsal.json").resolve().write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(repo, ignore_errors=True)
+    tmp.rename(repo)
+    say(f"rehearsal repository: {repo} (upstream models from {upstream}, backend family {family}; "
+        f"stand-in weights from {sources['target']} and {sources['draft']})")
+    return repo
+
+
+def start(workdir: str | Path, opts=None, *, backend_models_dir: str | Path | None = None, slots: int = 4,
+          progress: Callable[[str], None] | None = None):
+    """prepare() then start the CPU tritonserver on it (pipeline.serve.start); returns its ServerInfo."""
+    from specbuild.pipeline import serve
+    repo = prepare(workdir, backend_models_dir, slots=slots, progress=progress)
+    return serve.start(workdir, opts or serve.ServeOptions(), repository=repo, progress=progress)
+
+
+def serve_foreground(workdir: str | Path, opts=None, *, backend_models_dir: str | Path | None = None,
+                     progress: Callable[[str], None] | None = None):
+    from specbuild.pipeline import serve
+    repo = prepare(workdir, backend_models_dir, progress=progress)
+    return serve.serve_foreground(workdir, opts or serve.ServeOptions(), repository=repo, progress=progress)
+
+
+def engine_stats(workdir: str | Path) -> dict[str, dict[str, int]]:
+    """The stand-ins' counters (requests, reused_tokens, computed_tokens, draft/accepted tokens) per model."""
+    out = {}
+    for model in ENGINE_MODELS:
+        f = rehearsal_root(workdir) / "triton" / model / "1" / "stats.json"
+        if f.is_file():
+            out[model] = json.loads(f.read_text())
+    return out
