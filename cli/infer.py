@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
 from specbuild.pipeline import contract
 from specbuild.cli.options import workdir_option
-from specbuild.pipeline.client import DEFAULT_GRPC, DEFAULT_HTTP, Client
+from specbuild.pipeline.client import DEFAULT_GRPC, DEFAULT_HTTP
 
 
 @click.command("infer")
@@ -60,17 +61,18 @@ def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, prop
                                f"({model} uses the engine's default K).")
     from specbuild.pipeline.serve import endpoints
 
+    from specbuild.pipeline.client import client_for, deployment_target
+    from specbuild.pipeline.loadtest import resolve_tokenizer
+
     where = endpoints(workdir, url, grpc_url)
-    client = Client(url=where.http, grpc_url=where.grpc, model=model, timeout=timeout)
+    tok_dir = resolve_tokenizer(tokenizer, Path(workdir)) if chat or deployment_target(workdir) != "embedded" else None
+    client = client_for(workdir, where.http, where.grpc, model=model, timeout=timeout, tokenizer_dir=tok_dir)
     params = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                   seed=seed, num_draft_tokens=num_draft_tokens, return_perf_metrics=True, proposer=proposer)
     if chat:
-        from pathlib import Path
-
-        from specbuild.pipeline.loadtest import resolve_tokenizer
         from specbuild.loadtests.tokens import TokenCounter
 
-        prompt = TokenCounter(resolve_tokenizer(tokenizer, Path(workdir))).chat(prompt)
+        prompt = TokenCounter(tok_dir).chat(prompt)
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)

@@ -68,14 +68,16 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
       specbuild verify --url http://gpu-box:8000 --tokenizer ./llama-3.1-8b -k 4 --seeds 400
       specbuild verify --prompt "def fib(n):" --seeds 0
     """
-    from specbuild.pipeline.client import Client
     from specbuild.pipeline.verify import DEFAULT_PROMPTS, load_prompts, verify
 
     workdir = Path(workdir)
     endpoint = _endpoint(workdir, url)
     tok = _tokenizer(workdir, tokenizer)
     chosen = list(prompts) + (load_prompts(Path(prompts_file)) if prompts_file else [])
-    client = Client(url=endpoint, model=model)
+    from specbuild.pipeline.client import client_for
+    from specbuild.pipeline.loadtest import resolve_tokenizer
+
+    client = client_for(workdir, endpoint, model=model, tokenizer_dir=resolve_tokenizer(tokenizer, workdir))
 
     def generate(prompt, *, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed):
         return client.generate(tok.chat(prompt) if chat else prompt, max_tokens=max_tokens,

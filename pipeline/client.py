@@ -32,6 +32,81 @@ class RequestError(ServerError):
     """The server refused or failed one request; `str(e)` holds Triton's message."""
 
 
+EMBEDDED = "embedded"
+
+
+def deployment_target(workdir) -> str:
+    """What the deployment in `workdir` serves: "embedded", or "trtllm-<family>" (the tensorrtllm_backend release
+    family of its templates, e.g. "trtllm-0.18"), read from the deploy manifest; "embedded" without one."""
+    from pathlib import Path
+
+    path = Path(workdir) / "model_repository" / "manifest.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return EMBEDDED
+    if data.get("options", {}).get("backend") != "trtllm":
+        return EMBEDDED
+    family = ((data.get("extra") or {}).get("recipe") or {}).get("backend_family")
+    return f"trtllm-{family}" if family else "trtllm-0.18"
+
+
+def prompt_echo(tokenizer_dir) -> Callable[[str], str]:
+    """What upstream's postprocessing makes of a prompt it echoes: decode(encode(prompt), skip special tokens),
+    with the tokenizer loaded as upstream's pre/postprocessing load it (AutoTokenizer, add_special_tokens)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), legacy=False, padding_side="left")
+    return lambda prompt: tok.decode(tok.encode(prompt, add_special_tokens=True), skip_special_tokens=True)
+
+
+def client_for(workdir, url: str, grpc_url: str = DEFAULT_GRPC, *, model: str, timeout: float = 300.0,
+               tokenizer_dir=None) -> "Client":
+    """A Client adapted to the deployment in `workdir` (embedded, or a TensorRT-LLM release family)."""
+    target = deployment_target(workdir)
+    echo = prompt_echo(tokenizer_dir) if target != EMBEDDED and tokenizer_dir else None
+    return Client(url=url, grpc_url=grpc_url, model=model, timeout=timeout, target=target, echo=echo)
+
+
+def adapt_request(target: str, model: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The contract request `body` as the deployment `target` takes it; returns (body, prompt_echoed).
+
+    Embedded: unchanged. A TensorRT-LLM deployment serves upstream's own ensemble / tensorrt_llm_bls of its
+    release (`contract.request_problems` has the table): `seed`/`min_tokens` are sent as `random_seed`/
+    `min_length`; `return_perf_metrics` is left out where the release has no perf-metric outputs (v0.18);
+    `proposer` (embedded-only) is left out; on the BLS speculative path (num_draft_tokens > 0) the request
+    goes with stream=false and exclude_input_in_output=false (upstream's loop needs both), so text_output
+    echoes the prompt and `prompt_echoed` is True. Streaming with speculation is refused with the reason.
+    """
+    family = contract.trtllm_family(target)
+    if family is None:
+        return body, False
+    names = contract.trtllm_input_names(family, model)
+    out: dict[str, Any] = {}
+    for key, value in body.items():
+        name = contract.contract_name_for(family, model, key)
+        if name is not None:
+            out[name] = value
+        elif key in ("return_perf_metrics", "proposer"):
+            continue                      # no such output in this release / embedded-only choice
+        else:
+            raise RequestError(f"{model} of tensorrtllm_backend {family} has no input {key!r}; leave it out "
+                               f"(inputs of this release: {', '.join(sorted(names))}).")
+    echoed = False
+    if model == contract.SPECULATIVE_MODEL and int(out.get("num_draft_tokens") or 0) > 0:
+        if out.get("stream"):
+            raise RequestError(f"{model} of tensorrtllm_backend {family} cannot stream with speculation "
+                               "(num_draft_tokens > 0): upstream's BLS drives the draft and target models "
+                               "non-decoupled. Use stream=false, or num_draft_tokens=0 for streaming.")
+        out["stream"] = False
+        out["exclude_input_in_output"] = False
+        echoed = True
+    problems = contract.request_problems(target, model, out)
+    if problems:
+        raise RequestError("; ".join(problems))
+    return out, echoed
+
+
 @dataclass
 class Generation:
     text: str = ""
@@ -92,8 +167,24 @@ def _error_text(resp) -> str:
 
 class Client:
     def __init__(self, url: str = DEFAULT_HTTP, grpc_url: str = DEFAULT_GRPC, model: str = contract.ENSEMBLE_MODEL,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, *, target: str = EMBEDDED, echo: Callable[[str], str] | None = None):
+        """`target`: "embedded" or "trtllm-<family>" (`deployment_target`); requests are adapted to it.
+        `echo(prompt)`: the text a TensorRT-LLM BLS echoes in front of the completion (its postprocessing
+        decodes prompt + output ids); default: the prompt itself."""
         self.url, self.grpc_url, self.model, self.timeout = url.rstrip("/"), grpc_url, model, timeout
+        self.target, self.echo = target, echo or (lambda prompt: prompt)
+
+    def _body(self, prompt: str, **params: Any) -> tuple[dict[str, Any], bool]:
+        return adapt_request(self.target, self.model, request_body(prompt, **params))
+
+    def _strip_echo(self, gen: "Generation", prompt: str) -> None:
+        head = self.echo(prompt)
+        if not gen.text.startswith(head):
+            raise RequestError(f"{self.model}: the response does not start with the echoed prompt "
+                               f"({head[:40]!r}...), so the completion cannot be separated; pass a tokenizer "
+                               "whose decode matches the deployment's postprocessing.")
+        gen.text = gen.text[len(head):]
+        gen.chunks = [gen.text] if gen.text else []
 
     def _post(self, path: str, body: dict, stream: bool):
         import httpx
@@ -106,15 +197,18 @@ class Client:
         """One non-streaming request (HTTP /generate)."""
         import httpx
 
+        body, echoed = self._body(prompt, stream=False, **params)
         gen = Generation(sent_at=time.perf_counter())
         try:
-            resp = self._post("generate", request_body(prompt, stream=False, **params), stream=False)
+            resp = self._post("generate", body, stream=False)
         except httpx.HTTPError as e:
             raise ServerError(f"cannot reach {self.url}: {e}; is the server running (`specbuild status`)?") from e
         if resp.status_code != 200:
             raise RequestError(f"{self.model}: HTTP {resp.status_code}: {_error_text(resp)}")
         gen._absorb(resp.json(), time.perf_counter() - gen.sent_at)
         gen.seconds = time.perf_counter() - gen.sent_at
+        if echoed:
+            self._strip_echo(gen, prompt)
         return gen
 
     def generate_stream(self, prompt: str, on_chunk: Callable[[str], None] | None = None,
@@ -122,9 +216,10 @@ class Client:
         """One streaming request over HTTP SSE; `on_chunk` sees every piece as it arrives."""
         import httpx
 
+        body, _ = self._body(prompt, stream=True, **params)
         gen = Generation(sent_at=time.perf_counter())
         try:
-            with self._post("generate_stream", request_body(prompt, stream=True, **params), stream=True) as resp:
+            with self._post("generate_stream", body, stream=True) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise RequestError(f"{self.model}: HTTP {resp.status_code}: {_error_text(resp)}")
@@ -148,7 +243,7 @@ class Client:
         """One request over gRPC streaming. `cancel_after=n` cancels it after n pieces (tests, Ctrl-C)."""
         import tritonclient.grpc as grpcclient
 
-        body = request_body(prompt, stream=stream, **params)
+        body, echoed = self._body(prompt, stream=stream, **params)
         results: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(self.grpc_url)
         gen = Generation()
@@ -185,6 +280,8 @@ class Client:
             client.stop_stream()
             client.close()
         gen.seconds = time.perf_counter() - gen.sent_at
+        if echoed:
+            self._strip_echo(gen, prompt)
         return gen
 
     def metrics(self, metrics_url: str) -> dict[str, float]:
@@ -200,8 +297,10 @@ def grpc_inputs(body: dict[str, Any]) -> list:
     np_types = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
     specs = {t.name: t for t in contract.CLIENT_INPUTS}
     inputs = []
+    aliases = {v: k for k, v in contract.TRTLLM_RENAMES.items()}   # random_seed -> seed: same dtype
     for name, value in body.items():
-        dtype = specs[name].datatype if name in specs else "BYTES" if isinstance(value, str) else \
+        spec_name = aliases.get(name, name)
+        dtype = specs[spec_name].datatype if spec_name in specs else "BYTES" if isinstance(value, str) else \
             "BOOL" if isinstance(value, bool) else "INT32" if isinstance(value, int) else "FP32"
         values = value if isinstance(value, list) else [value]
         if dtype == "BYTES":

@@ -191,3 +191,25 @@ def test_standin_verifies_external_drafts_in_one_step(tiny_llama):
     g = eng.generate(Request(prompt, 3, return_generation_logits=True))
     assert g.generation_logits.shape == (3, eng.vocab_size)
     assert list(np.argmax(g.generation_logits, -1)) == ref[:3]
+
+
+def test_verify_and_infer_run_unchanged_against_the_rehearsal(server):
+    """`specbuild verify` / `infer` learn from the deploy manifest that this is a TensorRT-LLM deployment of
+    release <family> and adapt their requests (random_seed/min_length, no perf metrics on 0.18, stream=false +
+    exclude_input_in_output=false on the BLS speculative path, the echoed prompt stripped)."""
+    from click.testing import CliRunner
+
+    from specbuild.cli.main import cli
+    info, work, family = server
+    runner = CliRunner()
+    res = runner.invoke(cli, ["verify", "--workdir", str(work), "-k", "4", "--max-tokens", "16", "--seeds", "0",
+                              "--raw", "--prompt", "Hello world", "--prompt", "The quick brown fox"])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("identical") == 2 and "lossless" in res.output
+    res = runner.invoke(cli, ["infer", "--workdir", str(work), "--prompt", "Hello world", "--max-tokens", "8",
+                              "--num-draft-tokens", "4", "--no-stream"])
+    assert res.exit_code == 0, res.output
+    assert not res.stdout.startswith("Hello world")      # the completion only, as from the embedded deployment
+    res = runner.invoke(cli, ["infer", "--workdir", str(work), "--prompt", "Hello", "--max-tokens", "8",
+                              "--num-draft-tokens", "4"])                 # streaming + speculation
+    assert res.exit_code != 0 and "cannot stream with speculation" in res.output

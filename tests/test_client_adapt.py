@@ -1,0 +1,49 @@
+"""The client adapts contract requests to the deployment it talks to: the embedded one takes the contract as
+is; a TensorRT-LLM one serves upstream's models of its release (names read from the release tags in
+engines/trtllm/upstream_facts.json)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specbuild.pipeline.client import RequestError, adapt_request, deployment_target, request_body
+
+
+def body(**kw):
+    return request_body("Hello", max_tokens=8, **kw)
+
+
+def test_embedded_takes_the_contract_unchanged():
+    b = body(seed=3, min_tokens=2, num_draft_tokens=4, return_perf_metrics=True, proposer="ngram")
+    assert adapt_request("embedded", "tensorrt_llm_bls", b) == (b, False)
+
+
+@pytest.mark.parametrize("family", ["0.18", "0.19"])
+def test_trtllm_names_of_the_release(family):
+    out, echoed = adapt_request(f"trtllm-{family}", "ensemble", body(seed=3, min_tokens=2, return_perf_metrics=True))
+    assert out["random_seed"] == 3 and out["min_length"] == 2 and "seed" not in out and "min_tokens" not in out
+    assert ("return_perf_metrics" in out) == (family == "0.19")     # v0.18 has no perf-metric outputs
+    assert not echoed
+
+
+@pytest.mark.parametrize("family", ["0.18", "0.19"])
+def test_trtllm_speculative_bls_request_is_sent_the_way_upstreams_loop_needs(family):
+    out, echoed = adapt_request(f"trtllm-{family}", "tensorrt_llm_bls", body(num_draft_tokens=4, proposer="draft"))
+    assert out["stream"] is False and out["exclude_input_in_output"] is False and echoed
+    assert "proposer" not in out
+    with pytest.raises(RequestError, match="cannot stream with speculation"):
+        adapt_request(f"trtllm-{family}", "tensorrt_llm_bls", body(num_draft_tokens=4, stream=True))
+    off, echoed = adapt_request(f"trtllm-{family}", "tensorrt_llm_bls", body(num_draft_tokens=0, stream=True))
+    assert off["stream"] is True and not echoed
+
+
+def test_deployment_target_from_the_deploy_manifest(tmp_path):
+    assert deployment_target(tmp_path) == "embedded"
+    (tmp_path / "model_repository").mkdir()
+    m = tmp_path / "model_repository" / "manifest.json"
+    m.write_text(json.dumps({"options": {"backend": "embedded"}}))
+    assert deployment_target(tmp_path) == "embedded"
+    m.write_text(json.dumps({"options": {"backend": "trtllm"}, "extra": {"recipe": {"backend_family": "0.19"}}}))
+    assert deployment_target(tmp_path) == "trtllm-0.19"
