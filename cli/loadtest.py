@@ -16,9 +16,9 @@ from specbuild.cli.options import workdir_option
               help="One run per value of a request field, the first is the baseline, e.g. "
                    "num_draft_tokens=0,4 (0 = speculation off). Default: one run as deployed.")
 @click.option("--setting", "settings", multiple=True, metavar="NAME:FIELD=V[,FIELD=V]",
-              help="A named set of request fields; repeat for each run, the first is the baseline, e.g. "
-                   "--setting off:num_draft_tokens=0 --setting ngram:num_draft_tokens=4,proposer=ngram. "
-                   "Exclusive with --compare.")
+              help="A named set of request fields, one run each; repeat to compare (the first is the baseline), "
+                   "e.g. --setting off:num_draft_tokens=0 --setting ngram:num_draft_tokens=4,proposer=ngram; "
+                   "one alone measures that configuration. Exclusive with --compare.")
 @click.option("--url", default=None,
               help="Triton HTTP endpoint. Default: the server `specbuild serve` started in --workdir (its gRPC and "
                    "metrics ports too), else http://127.0.0.1:8000.")
@@ -36,7 +36,14 @@ from specbuild.cli.options import workdir_option
 @click.option("--out", type=click.Path(resolve_path=True, file_okay=False), default="report", show_default=True,
               help="Report directory (report.json, report.md, PNG plots, runs/ with Locust CSVs).")
 @click.option("--users", type=int, default=None, help="Override every profile's concurrent users.")
-@click.option("--duration", type=float, default=None, help="Override every profile's seconds of load per run.")
+@click.option("--duration", type=float, default=None,
+              help="Override every profile's seconds of load per run (a minimum: see --min-requests).")
+@click.option("--min-requests", type=int, default=None,
+              help="Override every profile's min_requests: a run goes on past --duration until this many "
+                   "requests completed (chat 10, batch 16).")
+@click.option("--max-duration", type=float, default=None,
+              help="Hard ceiling of one run in seconds (default max(4 x duration, duration + 60)); a setting "
+                   "short of --min-requests by then is reported as \"too slow to measure here\".")
 @click.option("--max-tokens", type=int, default=None, help="Override every profile's output tokens per request.")
 @click.option("--max-input-tokens", type=int, default=None,
               help="Override every profile's prompt length cap (tokens); prompts are also cut to fit the "
@@ -54,14 +61,17 @@ from specbuild.cli.options import workdir_option
               help="Seconds in-flight requests may take to finish when a run's duration is over.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt draw.")
 def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, model, protocol, tokenizer, workdir, out,
-                     users, duration, max_tokens, max_input_tokens, max_p95_ttft_ms, max_p95_tpot_ms,
-                     max_error_rate, workers, cross_check, stop_timeout, seed):
+                     users, duration, min_requests, max_duration, max_tokens, max_input_tokens, max_p95_ttft_ms,
+                     max_p95_tpot_ms, max_error_rate, workers, cross_check, stop_timeout, seed):
     """Load-test a running deployment with Locust and write one report.
 
-    Runs headless Locust once per profile x --compare value, scrapes Triton's metrics before and after,
-    and writes OUT/report.json, OUT/report.md and PNG plots (TTFT/ITL/e2e distributions, throughput,
-    and the "batch vs interactive" gain table). Exit code 3 when an SLO gate fails, 130 on Ctrl-C
-    (the report of what was measured is still written).
+    Runs headless Locust once per profile x setting (--compare value or --setting), each until both
+    its duration has passed and --min-requests requests completed (or its ceiling: "too slow to
+    measure here"), scrapes Triton's metrics before and after, and writes OUT/report.json,
+    OUT/report.md, OUT/summary.csv, OUT/profile_export_genai_perf.json (GenAI-Perf's names) and PNG
+    plots (TTFT/ITL/e2e distributions, throughput, the "batch vs interactive" gain table). The report
+    is written whatever happens. Exit code 3 when an SLO gate fails, 4 when the server stopped
+    answering, 1 when a run produced nothing, 130 on Ctrl-C.
 
     \b
     Example:
@@ -82,7 +92,8 @@ def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, mo
     cfg = LoadtestConfig(profiles=tuple(profiles), compare=compare, settings=tuple(settings), url=url.rstrip("/"), grpc_url=grpc_url,
                          metrics_url=metrics_url, model=model, protocol=protocol, tokenizer=tokenizer,
                          workdir=Path(workdir), out=Path(out), users=users, duration=duration,
-                         max_tokens=max_tokens, max_input_tokens=max_input_tokens,
+                         min_requests=min_requests, max_duration=max_duration, max_tokens=max_tokens,
+                         max_input_tokens=max_input_tokens,
                          max_p95_ttft_ms=max_p95_ttft_ms, max_p95_tpot_ms=max_p95_tpot_ms,
                          max_error_rate=max_error_rate, workers=workers, cross_check=cross_check,
                          stop_timeout=stop_timeout, seed=seed, progress_bar=True)

@@ -26,7 +26,10 @@ from specbuild.cli.options import workdir_option
               help="Triton metrics endpoint (default: the served one, else the --url host, port 8002).")
 @click.option("--tokenizer", type=click.Path(resolve_path=True, exists=True, file_okay=False), default=None,
               help="Target tokenizer dir (default: the deployment's, found through --workdir).")
-@click.option("--duration", type=float, default=15.0, show_default=True, help="Seconds of load per setting.")
+@click.option("--duration", type=float, default=15.0, show_default=True,
+              help="Seconds of load per setting (a minimum: see --min-requests).")
+@click.option("--min-requests", type=int, default=None,
+              help="Requests each setting must complete before its run ends (default: the profile's).")
 @click.option("--users", type=int, default=None, help="Concurrent users (default: each profile's own).")
 @click.option("--max-tokens", type=int, default=None, help="Output tokens per request (default: the profile's).")
 @click.option("--apply/--no-apply", default=False, show_default=True,
@@ -34,8 +37,8 @@ from specbuild.cli.options import workdir_option
 @click.option("--out", type=click.Path(resolve_path=True, file_okay=False), default=None,
               help="Output directory for tune.json, tune.md and runs/ (default: <workdir>/tune).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt draw.")
-def tune_command(workdir, profiles, k_list, proposers, url, metrics_url, tokenizer, duration, users, max_tokens,
-                 apply, out, seed):
+def tune_command(workdir, profiles, k_list, proposers, url, metrics_url, tokenizer, duration, min_requests, users,
+                 max_tokens, apply, out, seed):
     """Find the best K (num_draft_tokens) and proposer per traffic profile.
 
     Runs one short Locust load test per profile x setting against the running deployment, scores
@@ -54,7 +57,8 @@ def tune_command(workdir, profiles, k_list, proposers, url, metrics_url, tokeniz
     cfg = TuneConfig(workdir=Path(workdir), profiles=tuple(profiles),
                      ks=parse_k_list(k_list) if k_list is not None else None,
                      proposers=tuple(p.strip() for p in proposers.split(",") if p.strip()), url=url,
-                     metrics_url=metrics_url, tokenizer=tokenizer, duration=duration, users=users,
+                     metrics_url=metrics_url, tokenizer=tokenizer, duration=duration, min_requests=min_requests,
+                     users=users,
                      max_tokens=max_tokens, apply=apply, out=Path(out) if out else None, seed=seed)
     result = tune(cfg, progress=lambda msg: click.echo(msg, err=True), show_bar=True)
     for name, prof in result["profiles"].items():

@@ -10,7 +10,9 @@ or by hand with a spec the command wrote (it names the prompts, payload, tokeniz
         --headless -u 4 -t 30s --host http://127.0.0.1:8000 --csv out/chat
 
 Nothing is read at import time: the spec is loaded by the `init` listener, which also initialises
-gRPC's gevent support (needed before any channel exists) when the spec asks for gRPC.
+gRPC's gevent support (needed before any channel exists) when the spec asks for gRPC. The run's end
+(enough measured, the hard ceiling, or a dead server) is decided by `stopping.RunMonitor` on the master
+or the only process; `-t` is only a backstop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import sys
 
 from locust import events, task
 
-from specbuild.loadtests.runspec import ENV_VAR, GATE_EXIT_CODE, RunSpec
+from specbuild.loadtests.runspec import ENV_VAR, GATE_EXIT_CODE, SERVER_GONE_EXIT_CODE, RunSpec
+from specbuild.loadtests.stopping import SERVER_GONE, SERVER_GONE_MESSAGE, RunMonitor
 from specbuild.loadtests.triton_user import TritonUser
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,9 @@ class SpecbuildUser(TritonUser):
 
     @task
     def generate_text(self):
-        self.generate(self._rng.choice(self.spec.prompts))
+        i = self._rng.randrange(len(self.spec.prompts))
+        counts = self.spec.prompt_tokens
+        self.generate(self.spec.prompts[i], counts[i] if i < len(counts) else None)
 
 
 @events.init_command_line_parser.add_listener
@@ -66,12 +71,32 @@ def _configure(environment, **_kw):
         grpc_gevent.init_gevent()
     SpecbuildUser.spec = spec
     SpecbuildUser.host = spec.url
+    from locust.runners import WorkerRunner
+
+    if not isinstance(environment.runner, WorkerRunner):
+        monitor = RunMonitor(environment, spec)
+        environment.specbuild_monitor = monitor
+        if environment.runner is not None and hasattr(environment.runner, "register_message"):
+            environment.runner.register_message(SERVER_GONE_MESSAGE,
+                                                lambda msg, **_: monitor.server_gone(msg.data["message"]))
+
+
+@events.test_start.add_listener
+def _start_monitor(environment, **_kw):
+    monitor = getattr(environment, "specbuild_monitor", None)
+    if monitor is not None and monitor.started is None:
+        monitor.start()
 
 
 @events.quitting.add_listener
 def _slo_gates(environment, **_kw):
     """SLO gates on the aggregated stats (the master's in distributed mode) -> Locust's exit code."""
     spec = getattr(SpecbuildUser, "spec", None)
+    monitor = getattr(environment, "specbuild_monitor", None)
+    if monitor is not None and monitor.reason == SERVER_GONE:
+        environment.process_exit_code = SERVER_GONE_EXIT_CODE
+        print(f"server gone: {monitor.gone}", flush=True)
+        return
     if spec is None or not spec.gates.active:
         return
     stats = environment.stats

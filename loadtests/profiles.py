@@ -10,7 +10,8 @@ Example (`profiles/chat.toml`)::
     name = "chat"
     users = 4
     spawn_rate = 4.0
-    duration = 60
+    duration = 60          # seconds, and at least min_requests completed requests (hard ceiling max_duration)
+    min_requests = 10
     stream = true
     max_tokens = 128
     prompt_set = { chat = 3, code = 1 }
@@ -42,7 +43,7 @@ class Profile:
 
     name: str
     users: int                           # concurrent simulated users (closed loop, one request in flight each)
-    duration: float                      # seconds of load per setting
+    duration: float                      # seconds of load per setting (at least: see min_requests)
     stream: bool                         # True: /generate_stream (SSE) or gRPC streaming; False: /generate
     max_tokens: int                      # output tokens asked for per request
     prompt_set: dict[str, int]           # prompt set name -> weight
@@ -57,6 +58,8 @@ class Profile:
     fixed_output: bool = False           # send min_tokens = max_tokens: every request generates max_tokens
     return_perf_metrics: bool = True     # ask for acceptance_rate / accepted / drafted per response
     exclude_input_in_output: bool = True
+    min_requests: int = 10               # a run goes on past `duration` until this many requests completed...
+    max_duration: float | None = None    # ...up to this hard ceiling (None: max(4 x duration, duration + 60))
     description: str = ""
     source: str = field(default="", compare=False)   # where it was loaded from (for messages)
 
@@ -67,6 +70,9 @@ class Profile:
         _check(self.max_tokens >= 1, where, "max_tokens", self.max_tokens, "an integer >= 1")
         _check(self.max_input_tokens >= 1, where, "max_input_tokens", self.max_input_tokens, "an integer >= 1")
         _check(self.spawn_rate >= 0, where, "spawn_rate", self.spawn_rate, "users per second >= 0")
+        _check(self.min_requests >= 1, where, "min_requests", self.min_requests, "an integer >= 1")
+        _check(self.max_duration is None or self.max_duration >= self.duration, where, "max_duration",
+               self.max_duration, f"seconds >= duration ({self.duration:g})")
         _check(self.temperature >= 0, where, "temperature", self.temperature, "a float >= 0")
         _check(self.top_k is None or self.top_k >= 0, where, "top_k", self.top_k, "an integer >= 0")
         _check(self.top_p is None or 0 < self.top_p <= 1, where, "top_p", self.top_p, "a float in (0, 1]")
@@ -81,12 +87,23 @@ class Profile:
     def effective_spawn_rate(self) -> float:
         return self.spawn_rate or float(self.users)
 
+    @property
+    def ceiling(self) -> float:
+        """The hard ceiling of one run in seconds: a setting that has not completed `min_requests` by then
+        is "too slow to measure here"."""
+        return self.max_duration if self.max_duration is not None else max(4 * self.duration, self.duration + 60)
+
     def with_overrides(self, *, users: int | None = None, duration: float | None = None,
-                       max_tokens: int | None = None, max_input_tokens: int | None = None) -> "Profile":
-        """CLI overrides for short runs (`--users`, `--duration`, `--max-tokens`, `--max-input-tokens`);
-        validated like the file."""
+                       max_tokens: int | None = None, max_input_tokens: int | None = None,
+                       min_requests: int | None = None, max_duration: float | None = None) -> "Profile":
+        """CLI overrides for short runs (`--users`, `--duration`, `--max-tokens`, `--max-input-tokens`,
+        `--min-requests`, `--max-duration`); validated like the file."""
         changes = {k: v for k, v in (("users", users), ("duration", duration), ("max_tokens", max_tokens),
-                                     ("max_input_tokens", max_input_tokens)) if v is not None}
+                                     ("max_input_tokens", max_input_tokens), ("min_requests", min_requests),
+                                     ("max_duration", max_duration)) if v is not None}
+        if "duration" in changes and "max_duration" not in changes and self.max_duration is not None \
+                and self.max_duration < changes["duration"]:
+            changes["max_duration"] = None   # the file's ceiling is below the new duration: the default one
         if "users" in changes and self.spawn_rate > changes["users"]:
             changes["spawn_rate"] = float(changes["users"])
         return dataclasses.replace(self, **changes) if changes else self
@@ -109,7 +126,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_tokens": (int,), "prompt_set": (str, dict), "spawn_rate": (int, float), "wait_time": (list, int, float),
     "temperature": (int, float), "top_k": (int,), "top_p": (int, float), "seed": (int,),
     "max_input_tokens": (int,), "return_perf_metrics": (bool,), "exclude_input_in_output": (bool,),
-    "chat_template": (bool,), "fixed_output": (bool,),
+    "chat_template": (bool,), "fixed_output": (bool,), "min_requests": (int,), "max_duration": (int, float),
 }
 _REQUIRED = ("users", "duration", "stream", "max_tokens", "prompt_set")
 
@@ -145,7 +162,7 @@ def profile_from_dict(data: dict[str, Any], *, name: str, source: str = "") -> P
     if len(wait) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in wait):
         raise UsageError(f"{where}: wait_time = {wait!r} must be [min, max] in seconds, e.g. [0.5, 2.0].")
     values["wait_time"] = (float(wait[0]), float(wait[1]))
-    for key in ("duration", "spawn_rate", "temperature", "top_p"):
+    for key in ("duration", "spawn_rate", "temperature", "top_p", "max_duration"):
         if key in values:
             values[key] = float(values[key])
     values.setdefault("name", name)
@@ -169,3 +186,11 @@ def load_profile(name_or_path: str | Path) -> Profile:
         raise UsageError(f"profile file {path} is not valid TOML: {e}") from e
     return profile_from_dict(data, name=data.get("name", path.stem) if isinstance(data.get("name"), str)
                              else path.stem, source=str(path))
+
+
+def load_profiles(names, **overrides) -> list[Profile]:
+    """Each named profile with the CLI overrides (`Profile.with_overrides`); names must not repeat."""
+    profiles = [load_profile(p).with_overrides(**overrides) for p in names]
+    if len({p.name for p in profiles}) != len(profiles):
+        raise UsageError(f"profiles {[p.name for p in profiles]} repeat a name; give each profile once.")
+    return profiles

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from specbuild.loadtests import export
 from specbuild.loadtests.runner import CellResult
 
 PERCENTILES = (50, 90, 95, 99)
@@ -35,8 +36,33 @@ def distribution(values: list[float]) -> dict[str, Any] | None:
     return out
 
 
+def cell_status(cell: CellResult) -> str:
+    """ok | too slow to measure here | server gone | failed | interrupted."""
+    if cell.error:
+        return "failed"
+    if cell.interrupted:
+        return "interrupted"
+    if cell.server_gone:
+        return "server gone"
+    if cell.timed_out or cell.stop.get("reason") == "too slow to measure here":
+        return "too slow to measure here"
+    return "ok"
+
+
+def overall_status(cells: list[dict[str, Any]], *, interrupted: bool, error: str | None = None) -> str:
+    """interrupted > server gone > error > runs failed > gates failed > too slow to measure here > ok."""
+    statuses = {c.get("status", "ok") for c in cells}
+    for cond, status in ((interrupted, "interrupted"), ("server gone" in statuses, "server gone"),
+                         (error is not None, "error"), ("failed" in statuses, "runs failed"),
+                         (any(not c.get("gates", {}).get("passed", True) for c in cells), "gates failed"),
+                         ("too slow to measure here" in statuses, "too slow to measure here")):
+        if cond:
+            return status
+    return "ok"
+
+
 def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, metrics: dict | None = None,
-                   cross_check: dict | None = None) -> dict[str, Any]:
+                   cross_check: dict | None = None, input_config: dict | None = None) -> dict[str, Any]:
     ok = [s for s in cell.samples if s.get("ok")]
     failed = [s for s in cell.samples if not s.get("ok")]
     total = len(ok) + len(failed)
@@ -48,7 +74,8 @@ def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, me
     accepted = sum(s["accepted"] for s in ok if s.get("accepted") is not None)
     drafted = sum(s["drafted"] for s in ok if s.get("drafted") is not None)
     out: dict[str, Any] = {
-        "profile": cell.profile, "setting": cell.setting, "stream": stream, "users": users,
+        "profile": cell.profile, "setting": cell.setting, "status": cell_status(cell), "stop": cell.stop,
+        "error": cell.error, "stream": stream, "users": users,
         "wall_s": round(cell.duration_s, 3), "window_s": round(window, 3),
         "interrupted": cell.interrupted, "timed_out": cell.timed_out, "locust_exit_code": cell.exit_code,
         "requests": len(ok), "failures": len(failed), "error_rate": (len(failed) / total) if total else None,
@@ -60,6 +87,7 @@ def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, me
         "tpot_definition": "(e2e - ttft) / (tokens - 1)" if stream else "e2e / tokens (non-streaming)",
         "output_tokens": tokens,
         "output_tokens_per_request": distribution([s["tokens"] for s in ok]),
+        "input_tokens_per_request": distribution([s["input_tokens"] for s in ok if s.get("input_tokens") is not None]),
         "tokens_per_s": tokens / window if window > 0 else None,
         "requests_per_s": len(ok) / window if window > 0 else None,
         "acceptance": {
@@ -76,6 +104,10 @@ def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, me
     }
     if cross_check:
         out["cross_check"] = cross_check
+    out["_genai_perf"] = export.genai_perf_export(cell.samples, stream=stream, window_s=window,
+                                                  input_config={"profile": cell.profile, "setting": cell.setting,
+                                                                "streaming": stream, "concurrency": users,
+                                                                **(input_config or {})})
     out["_raw"] = {"ttft_ms": [s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None],
                    "itl_ms": [g for s in ok for g in s.get("itl_ms", [])], "e2e_ms": [s["e2e_ms"] for s in ok]}
     if gates is not None and gates.active:
@@ -127,11 +159,14 @@ def gain_table(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[s
 def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
     """Write report.json, report.md and the plots into `out_dir`; returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
+    paths = {"json": out_dir / "report.json", "md": out_dir / "report.md",
+             "genai_perf": export.write_genai_perf(out_dir, report["cells"]),
+             "csv": export.write_summary_csv(out_dir, report["cells"])}
     paths.update(_plots(out_dir, report["cells"]))
     for c in report["cells"]:
         c.pop("_raw", None)   # raw samples stay in the run directories, not in report.json
-    report["plots"] = {k: p.name for k, p in paths.items() if k not in ("json", "md")}
+        c.pop("_genai_perf", None)   # in profile_export_genai_perf.json
+    report["plots"] = {k: p.name for k, p in paths.items() if k not in ("json", "md", "genai_perf", "csv")}
     paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n")
     paths["md"].write_text(render_markdown(report))
     return paths
@@ -145,12 +180,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = ["# Load test report", "", f"- target: `{report['url']}` model `{report['model']}` "
              f"over {report['protocol']}", f"- started: {report['started']}",
              f"- status: {report['status']}", ""]
+    if report.get("note"):
+        lines += [f"**{report['note']}**", ""]
     lines += ["## Latency and throughput", "",
-              "| profile | setting | req | err | TTFT p50/p95 ms | ITL p50/p95 ms | TPOT p50/p95 ms | "
-              "e2e p50/p95 ms | tok/s | acceptance |", "|" + "---|" * 10]
+              "| profile | setting | status | req | err | TTFT p50/p95 ms | ITL p50/p95 ms | TPOT p50/p95 ms | "
+              "e2e p50/p95 ms | tok/s | acceptance |", "|" + "---|" * 11]
     for c in report["cells"]:
         pair = lambda d: f"{_f(_p(d, 'p50'))} / {_f(_p(d, 'p95'))}"  # noqa: E731
-        lines.append(f"| {c['profile']} | {c['setting']} | {c['requests']} | {c['failures']} | {pair(c['ttft_ms'])} | "
+        lines.append(f"| {c['profile']} | {c['setting']} | {c.get('status', 'ok')} | {c['requests']} | "
+                     f"{c['failures']} | {pair(c['ttft_ms'])} | "
                      f"{pair(c['itl_ms'])} | {pair(c['tpot_ms'])} | {pair(c['e2e_ms'])} | "
                      f"{_f(c['tokens_per_s'])} | {_f(c['acceptance']['responses']['acceptance_rate'], '{:.2f}')} |")
     if report.get("gains"):
@@ -172,12 +210,25 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"{_f(_p(c['harness']['zero_work_probe_ms'], 'p50'), '{:.2f}')} | "
                      f"{_f(c['locust'].get('E2E', {}).get('median_ms'))} | "
                      f"{_f(cc.get('ttft_ratio'), '{:.3f}')} / {_f(cc.get('e2e_ratio'), '{:.3f}')} |")
+    unmeasured = [c for c in report["cells"] if c.get("status", "ok") != "ok"]
+    if unmeasured:
+        lines += ["", "## Runs that did not complete a measurement", ""]
+        for c in unmeasured:
+            stop = c.get("stop") or {}
+            saw = (f"{c['requests']} request(s) completed, {c['failures']} failed in {c['wall_s']:g} s"
+                   + (f" (wanted {stop['min_requests']} in >= {stop['min_duration_s']:g} s, ceiling "
+                      f"{stop['max_duration_s']:g} s)" if stop.get("min_requests") is not None else ""))
+            why = c.get("error") or stop.get("server_gone") or ""
+            lines.append(f"- {c['profile']} / {c['setting']}: **{c['status']}**: {saw}."
+                         + (f" {why.splitlines()[0]}" if why else ""))
     gated = [c for c in report["cells"] if "gates" in c]
     if gated:
         lines += ["", "## SLO gates", ""]
         for c in gated:
             verdict = "pass" if c["gates"]["passed"] else "FAIL: " + "; ".join(c["gates"]["violations"])
             lines.append(f"- {c['profile']} / {c['setting']}: {verdict}")
+    lines += ["", f"Also here: `{export.SUMMARY_CSV}` (one row per run) and `{export.GENAI_PERF_FILE}` "
+              "(GenAI-Perf's metric names and statistics; see docs/loadtests.md)."]
     if report.get("plots"):
         lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in report["plots"].items()]
     return "\n".join(lines) + "\n"

@@ -2,8 +2,11 @@
 
 Torch and tokenizer work stay out of the gevent loop: Locust runs in its own process(es); this
 process only writes the run spec, starts `python -m locust ... --headless --csv ...` (or a master and
-N workers), waits, and reads back the CSVs and the per-request samples. Ctrl-C is forwarded as SIGINT
-so Locust shuts down cleanly and still writes its CSVs; the caller still gets what was measured.
+N workers), waits, and reads back the CSVs, the per-request samples and `stop.json` (why the run
+ended: see `stopping.py`). A run that produced nothing is returned with `error` set, never raised, so
+the caller keeps every other run. Ctrl-C is forwarded as SIGINT; Locust gets a few seconds to write
+its CSVs, then is killed: the samples are written line by line as requests complete, so what was
+measured is on disk either way, and the caller gets it within seconds even on a slow machine.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specbuild.pipeline.errors import SpecbuildError
-from specbuild.loadtests.runspec import ENV_VAR, GATE_EXIT_CODE, RunSpec
+from specbuild.loadtests.runspec import ENV_VAR, GATE_EXIT_CODE, SERVER_GONE_EXIT_CODE, STOP_FILE, RunSpec
 
 log = logging.getLogger(__name__)
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
-STARTUP_SLACK_S = 60.0
+STARTUP_SLACK_S = 90.0        # Locust's start-up (imports, tokenizer) on a slow, busy machine
+BACKSTOP_S = 15.0             # Locust's own -t: this long after the monitor's ceiling (it never should fire)
+INTERRUPT_GRACE_S = 4.0       # after Ctrl-C: Locust's time to stop its users and write CSVs, then SIGKILL
 
 
 @dataclass
@@ -45,6 +49,12 @@ class CellResult:
     probes_ms: list[float] = field(default_factory=list)
     locust_stats: dict[str, dict[str, Any]] = field(default_factory=dict)   # "E2E" -> CSV row
     log_tail: str = ""
+    stop: dict[str, Any] = field(default_factory=dict)   # stop.json: reason, elapsed_s, completed, ...
+    error: str | None = None                              # the run failed (nothing measured); why
+
+    @property
+    def server_gone(self) -> bool:
+        return self.stop.get("reason") == "server gone" or self.exit_code == SERVER_GONE_EXIT_CODE
 
 
 def locust_argv(spec: RunSpec, *, users: int, spawn_rate: float, duration: float, csv_prefix: Path,
@@ -68,16 +78,17 @@ def _free_port() -> int:
 
 
 def run_cell(spec: RunSpec, *, profile: str, setting: str, run_dir: Path, users: int, spawn_rate: float,
-             duration: float, workers: int = 0, stop_timeout: float = 5.0,
-             progress_bar: bool = False) -> CellResult:
-    """One headless Locust run (local, or a master with `workers` worker processes)."""
+             workers: int = 0, stop_timeout: float = 5.0, progress_bar: bool = False) -> CellResult:
+    """One headless Locust run (local, or a master with `workers` worker processes); ends as
+    `spec` says (stopping.py) or at the hard deadline. Never raises for a failed run: see `.error`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_path = spec.write(run_dir / "runspec.json")
     env = {**os.environ, ENV_VAR: str(spec_path), "PYTHONUNBUFFERED": "1"}
     csv_prefix = run_dir / "locust"
     port = _free_port() if workers else 0
     role = "master" if workers else "local"
-    main_argv = locust_argv(spec, users=users, spawn_rate=spawn_rate, duration=duration, csv_prefix=csv_prefix,
+    backstop = spec.max_duration_s + stop_timeout + BACKSTOP_S
+    main_argv = locust_argv(spec, users=users, spawn_rate=spawn_rate, duration=backstop, csv_prefix=csv_prefix,
                             stop_timeout=stop_timeout, role=role, workers=workers, master_port=port)
     log.info("Running: %s", shlex.join(main_argv))
     logs = [run_dir / "locust.log"] + [run_dir / f"locust-worker{i}.log" for i in range(workers)]
@@ -87,29 +98,29 @@ def run_cell(spec: RunSpec, *, profile: str, setting: str, run_dir: Path, users:
     try:
         procs.append(_spawn(main_argv, env, logs[0]))
         for i in range(workers):
-            w_argv = locust_argv(spec, users=users, spawn_rate=spawn_rate, duration=duration,
+            w_argv = locust_argv(spec, users=users, spawn_rate=spawn_rate, duration=backstop,
                                  csv_prefix=csv_prefix, stop_timeout=stop_timeout, role="worker", master_port=port)
             procs.append(_spawn(w_argv, env, logs[i + 1]))
-        deadline = t0 + duration + stop_timeout + STARTUP_SLACK_S
+        deadline = t0 + backstop + STARTUP_SLACK_S
         try:
-            bar = _bar(f"{profile} / {setting}", duration) if progress_bar else None
+            bar = _bar(f"{profile} / {setting}", spec.min_duration_s) if progress_bar else None
             timed_out = not _wait(procs[0], deadline, bar)
         except KeyboardInterrupt:
             interrupted = True
             for p in procs:   # Locust handles SIGINT like the end of the run: CSVs and stats are written
                 _signal(p, signal.SIGINT)
-            _wait(procs[0], time.monotonic() + stop_timeout + 30)
+            _wait(procs[0], time.monotonic() + INTERRUPT_GRACE_S)   # then SIGKILL: the samples are on disk
     finally:
         for p in procs:
-            _stop(p)
+            _stop(p, patience=1.0 if interrupted else 10.0)
     result = CellResult(profile=profile, setting=setting, run_dir=run_dir, exit_code=procs[0].returncode,
                         duration_s=time.monotonic() - t0, interrupted=interrupted, timed_out=timed_out,
                         log_tail=_tail(logs[0]))
     _collect(result, Path(spec.samples_dir), csv_prefix)
     if not interrupted and not result.locust_stats and not result.samples:
-        raise SpecbuildError(f"Locust produced no results for {profile}/{setting} (exit {result.exit_code}"
-                             f"{', killed at the hard deadline' if timed_out else ''}). Its log ends with:\n"
-                             f"{result.log_tail}")
+        result.error = (f"Locust produced no results for {profile}/{setting} (exit {result.exit_code}"
+                        f"{', killed at the hard deadline' if timed_out else ''}); its log ends with:\n"
+                        f"{result.log_tail}")
     return result
 
 
@@ -151,11 +162,11 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, patience: float = 10.0) -> None:
     """Workers exit when their master quits; anything still alive gets SIGTERM, then SIGKILL."""
     if proc.poll() is None:
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=patience)
         except subprocess.TimeoutExpired:
             _signal(proc, signal.SIGTERM)
             try:
@@ -183,6 +194,12 @@ def _collect(result: CellResult, samples_dir: Path, csv_prefix: Path) -> None:
                 result.probes_ms.append(rec["ms"])
             elif rec.get("kind") == "request":
                 result.samples.append(rec)
+    stop = result.run_dir / STOP_FILE
+    if stop.is_file():
+        try:
+            result.stop = json.loads(stop.read_text())
+        except ValueError:
+            pass
     stats = Path(f"{csv_prefix}_stats.csv")
     if stats.is_file():
         with open(stats, newline="") as f:

@@ -15,6 +15,8 @@ from typing import Any
 
 ENV_VAR = "SPECBUILD_LOADTEST_SPEC"
 GATE_EXIT_CODE = 3   # Locust's process_exit_code when an SLO gate fails
+SERVER_GONE_EXIT_CODE = 4   # ... when the run stopped because the server stopped answering
+STOP_FILE = "stop.json"     # written into the run directory by the Locust process that ended the run
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,15 @@ class RunSpec:
     seed: int = 0
     grpc_batch_dim: bool = True      # the model has max_batch_size > 0: gRPC tensors get a batch dimension
     gates: Gates = field(default_factory=Gates)
+    # When the run ends: once BOTH min_duration_s have passed and min_requests requests completed, or at
+    # max_duration_s (the hard ceiling; then the setting is "too slow to measure here"), or after
+    # max_connection_errors consecutive connection errors (the server is gone).
+    min_duration_s: float = 60.0
+    min_requests: int = 1
+    max_duration_s: float = 240.0
+    max_connection_errors: int = 5
+    run_dir: str = ""                # where the ending Locust process writes STOP_FILE (default: samples_dir/..)
+    prompt_tokens: list[int] = field(default_factory=list)   # tokens of each prompt (input_sequence_length)
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self)))

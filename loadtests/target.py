@@ -7,7 +7,6 @@ does not exist or a parameter the model does not take fails fast with a message 
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import httpx
 
 from specbuild.pipeline.errors import ServerError, UsageError
+from specbuild.pipeline.metrics import parse_prometheus
 
 
 @dataclass(frozen=True)
@@ -116,9 +116,6 @@ def _model_names(client: httpx.Client, url: str) -> list[str]:
 
 # --- Prometheus metrics --------------------------------------------------------------------------------
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[-+]Inf)$')
-
-
 def scrape(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | None:
     """`name{labels}` -> value of every sample on Triton's metrics port; None if it cannot be reached."""
     if not metrics_url:
@@ -127,13 +124,17 @@ def scrape(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | 
         text = httpx.get(metrics_url, timeout=timeout).text
     except httpx.HTTPError:
         return None
-    out = {}
-    for line in text.splitlines():
-        m = _LINE.match(line.strip())
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    out = parse_prometheus(text)
     out["_scraped_at"] = time.time()
     return out
+
+
+def alive(url: str, timeout: float = 3.0) -> bool:
+    """The server answers `GET /v2/health/live` (after a run, to tell a dead server from a slow one)."""
+    try:
+        return httpx.get(f"{url}/v2/health/live", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def metric_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:

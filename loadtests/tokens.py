@@ -1,10 +1,13 @@
 """The target's tokenizer, used to count output tokens (re-tokenizing the joined text) and cut prompts.
 
-Only the `tokenizers` library is used (no torch, no transformers), so Locust processes stay light.
+Counting and cutting use only the `tokenizers` library, so Locust processes stay light. Chat prompts
+are rendered by the tokenizer's own `apply_chat_template` (transformers, loaded on the first `chat()`
+call, in the process that builds the prompts, never in a Locust process).
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from specbuild.pipeline.errors import UsageError
@@ -26,21 +29,36 @@ class TokenCounter:
         except Exception as e:  # tokenizers raises a plain Exception on a bad file
             raise UsageError(f"{file} is not a tokenizer.json the `tokenizers` library can read ({e}).") from e
         self.path = file
-        self.chat_template, self._specials = _chat_template(file.parent)
+        self._hf = None   # the transformers tokenizer, loaded by the first chat()
+        self._hf_lock = threading.Lock()   # chat() is called from worker threads (verify): import once
 
     def ids(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids if text else []
 
     def chat(self, text: str) -> str:
-        """`text` as one user turn in the target's chat template (what an instruct model expects);
-        the text itself when the tokenizer has no template. Rendered client-side, like a chat frontend."""
-        if not self.chat_template:
+        """`text` as one user turn, rendered by the tokenizer's own `apply_chat_template` with the
+        generation prompt (what an instruct model expects); the text itself when the tokenizer has no
+        chat template. Rendered client-side, like a chat frontend."""
+        tok = self._transformers_tokenizer()
+        if not getattr(tok, "chat_template", None):
             return text
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": text}], add_generation_prompt=True, **self._specials)
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._transformers_tokenizer(), "chat_template", None) or None
+
+    def _transformers_tokenizer(self):
+        with self._hf_lock:   # transformers' lazy imports are not safe to race from several threads
+            if self._hf is None:
+                from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+                try:   # the directory as a Hub model: tokenizer_config.json, chat_template.jinja, specials
+                    self._hf = AutoTokenizer.from_pretrained(str(self.path.parent))
+                except (OSError, ValueError, KeyError):   # a bare tokenizer.json: no template to apply
+                    self._hf = PreTrainedTokenizerFast(tokenizer_file=str(self.path))
+            return self._hf
 
     def count(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False).ids) if text else 0
@@ -48,26 +66,3 @@ class TokenCounter:
     def truncate(self, text: str, max_tokens: int) -> str:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return text if len(ids) <= max_tokens else self._tok.decode(ids[:max_tokens])
-
-
-def _chat_template(directory: Path) -> tuple[str | None, dict]:
-    """The chat template and special tokens from `tokenizer_config.json` / `chat_template.jinja`."""
-    import json
-
-    template, specials = None, {}
-    cfg = directory / "tokenizer_config.json"
-    if cfg.is_file():
-        try:
-            data = json.loads(cfg.read_text())
-        except ValueError:
-            data = {}
-        template = data.get("chat_template")
-        for key in ("bos_token", "eos_token"):
-            tok = data.get(key)
-            specials[key] = tok.get("content", "") if isinstance(tok, dict) else (tok or "")
-    jinja = directory / "chat_template.jinja"
-    if jinja.is_file():
-        template = jinja.read_text()
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return template or None, specials

@@ -13,6 +13,11 @@ Each metric is fired as its own Locust request type ("TTFT", "ITL", "TPOT", "E2E
 with `response_length` = output tokens on the E2E row, so Locust's CSV carries every percentile. Each
 request is also appended to `samples-<pid>.jsonl` (raw values for exact percentiles and the plots).
 
+Connection errors (refused, reset, UNAVAILABLE) are failures like any other, and also: the user backs
+off before its next request (0.25 s doubling up to 5 s, so a batch user does not hammer a dead port in
+a tight loop), and after `spec.max_connection_errors` of them in a row in one process, with no success
+between, the run is ended as "server gone" (`stopping.report_server_gone`).
+
 Transports: HTTP `POST /v2/models/<m>/generate_stream` (SSE, read line by line as it arrives) or
 `/generate`; gRPC streaming through tritonclient (needs `grpc.experimental.gevent.init_gevent()`, done
 by the locustfile before any channel exists). With gRPC, non-streaming requests use the same stream
@@ -34,6 +39,7 @@ import gevent
 from locust import User
 
 from specbuild.loadtests.runspec import RunSpec
+from specbuild.loadtests.stopping import is_connection_error, report_server_gone
 from specbuild.loadtests.tokens import TokenCounter
 
 PERF_KEYS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
@@ -54,6 +60,7 @@ class Sample:
     e2e_ms: float | None = None
     itl_ms: list[float] = field(default_factory=list)
     tokens: int = 0
+    input_tokens: int | None = None                # prompt tokens (counted once, when the prompts were built)
     chunks: int = 0
     tpot_ms: float | None = None
     accepted: int | None = None
@@ -236,10 +243,13 @@ class TritonUser(User):
     spec: RunSpec
     _counter: TokenCounter | None = None
     _samples = None
+    _connection_errors = 0      # consecutive, in this process (any success resets it)
+    _gone_reported = False
 
     def __init__(self, environment):
         super().__init__(environment)
         spec = self.spec
+        self._own_errors = 0        # this user's consecutive connection errors (its back-off)
         if spec.protocol == "grpc":
             self.client = TritonGrpcClient(spec.grpc_url, spec.model, spec.request_timeout_s,
                                            spec.grpc_batch_dim)
@@ -267,11 +277,11 @@ class TritonUser(User):
     def on_stop(self):
         self.client.close()
 
-    def generate(self, prompt: str) -> Sample:
+    def generate(self, prompt: str, input_tokens: int | None = None) -> Sample:
         counter, out = self._shared()
         payload = {"text_input": prompt, **self.spec.payload}
         timer = Timer()
-        sample = Sample(start=timer.start)
+        sample = Sample(start=timer.start, input_tokens=input_tokens)
         self.client.overhead = 0.0
         try:
             self.client.generate(payload, self.spec.stream, timer)
@@ -282,13 +292,28 @@ class TritonUser(User):
                                                  response_time=sample.e2e_ms, response_length=0,
                                                  exception=e, context={})
             out.write(json.dumps({"kind": "request", **asdict(sample)}) + "\n")
+            if is_connection_error(e):
+                self._connection_error(sample.error)
+            else:   # the server answered (with an error): it is there
+                TritonUser._connection_errors = self._own_errors = 0
             return sample
+        TritonUser._connection_errors = self._own_errors = 0
         t_post = time.perf_counter()
         self._finish(sample, timer, counter)
         self._fire(sample)
         sample.overhead_ms = (self.client.overhead + time.perf_counter() - t_post) * 1000
         out.write(json.dumps({"kind": "request", **asdict(sample)}) + "\n")
         return sample
+
+    def _connection_error(self, error: str) -> None:
+        TritonUser._connection_errors += 1
+        self._own_errors += 1
+        limit = self.spec.max_connection_errors
+        if TritonUser._connection_errors >= limit and not TritonUser._gone_reported:
+            TritonUser._gone_reported = True
+            report_server_gone(self.environment, f"{TritonUser._connection_errors} consecutive connection "
+                                                 f"errors; the last: {error}")
+        gevent.sleep(min(0.25 * 2 ** (self._own_errors - 1), 5.0))   # back off; never a tight loop
 
     def _finish(self, sample: Sample, timer: Timer, counter: TokenCounter) -> None:
         t0, arrivals = timer.t0, timer.arrivals

@@ -4,32 +4,40 @@
     report = loadtest(LoadtestConfig(profiles=("chat", "batch"), compare="num_draft_tokens=0,4",
                                      url="http://127.0.0.1:8000", tokenizer="work/engines/tokenizer"))
 
-Order of work: validate profiles, gates and the comparison; resolve the tokenizer; check that the
-server is up, the model exists and takes every parameter sent (all before any load); then for every
-profile x setting: one smoke request, Triton metrics before, Locust (subprocess, hard deadline),
-metrics after, optional independent cross-check. The report directory is written atomically;
-Ctrl-C stops the remaining runs and still writes what was measured (status "interrupted", exit 130).
+One skeleton, shared with `tune`: `open_session` (tokenizer, pre-flight: server up, model there, every
+parameter sent declared; all before any load), `smoke` (one real request per setting, before any load),
+then `run_setting` per profile x setting, the one path that measures a setting: Triton metrics before,
+Locust (subprocesses) until BOTH the profile's duration has passed and `min_requests` requests
+completed (hard ceiling: `Profile.ceiling`, then "too slow to measure here"), metrics after, the run's
+summary. A run that fails is recorded and the others kept; after a run whose server died, the
+remaining runs are not started. The report (report.json/md, summary.csv, GenAI-Perf-style
+profile_export_genai_perf.json, plots) is always written with what was measured, whatever happened,
+and the directory is renamed into place at the end. Ctrl-C stops the run within seconds and still
+writes the report (status "interrupted", exit 130); a dead server exits 4, a failed run 1, an SLO
+gate 3; "too slow to measure here" is a result (exit 0), said in the report.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from specbuild.loadtests.profiles import load_profiles
+from specbuild.loadtests.report import overall_status  # noqa: F401  (public API)
+from specbuild.loadtests.settings import parse_compare, parse_settings  # noqa: F401  (public API)
 from specbuild.pipeline.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
 from specbuild.pipeline.errors import SpecbuildError, UsageError
 from specbuild.pipeline.manifest import Manifest, stage_output, write_manifest
 
 log = logging.getLogger(__name__)
 PROTOCOLS = ("http", "grpc")
+OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "seed", "return_perf_metrics",
+                   "exclude_input_in_output", "min_tokens")   # dropped from requests if the model lacks them
 
 
 class LoadtestInterrupted(SpecbuildError):
@@ -42,6 +50,16 @@ class GatesFailed(SpecbuildError):
     """An SLO gate failed; the report was written."""
 
     exit_code = 3
+
+
+class ServerGone(SpecbuildError):
+    """The server stopped answering during a run; the report of what was measured was written."""
+
+    exit_code = 4
+
+
+class RunsFailed(SpecbuildError):
+    """A run produced no results (Locust failed); the other runs and the report were kept."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +76,9 @@ class LoadtestConfig:
     workdir: Path = Path("specbuild-work")
     out: Path = Path("report")
     users: int | None = None
-    duration: float | None = None
+    duration: float | None = None          # seconds of load per run, at least (see min_requests)
+    min_requests: int | None = None        # a run goes on until this many requests completed (profile's)
+    max_duration: float | None = None      # ...up to this hard ceiling, then "too slow to measure here"
     max_tokens: int | None = None
     max_input_tokens: int | None = None
     max_p95_ttft_ms: float | None = None
@@ -80,7 +100,8 @@ class LoadtestConfig:
             raise UsageError(f"--workers {self.workers} must be >= 0 (0 = one local Locust process).")
         if self.max_error_rate is not None and not 0 <= self.max_error_rate <= 1:
             raise UsageError(f"--max-error-rate {self.max_error_rate} must be a fraction in [0, 1] (0.01 = 1%).")
-        for name in ("users", "duration", "max_tokens", "max_input_tokens", "max_p95_ttft_ms", "max_p95_tpot_ms"):
+        for name in ("users", "duration", "min_requests", "max_duration", "max_tokens", "max_input_tokens",
+                     "max_p95_ttft_ms", "max_p95_tpot_ms"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {v}.")
@@ -88,69 +109,6 @@ class LoadtestConfig:
             raise UsageError(f"--stop-timeout {self.stop_timeout} must be >= 0 seconds.")
         if not urlsplit(self.url).hostname:
             raise UsageError(f"--url {self.url!r} is not a URL; e.g. http://127.0.0.1:8000.")
-
-
-def parse_compare(text: str | None) -> tuple[str | None, list[Any]]:
-    """`"num_draft_tokens=0,4"` -> ("num_draft_tokens", [0, 4]); None -> (None, [None])."""
-    if not text:
-        return None, [None]
-    m = re.fullmatch(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.+)", text)
-    if not m:
-        raise UsageError(f"--compare {text!r} must look like NAME=V1,V2 (e.g. num_draft_tokens=0,4).")
-    values = []
-    for raw in m.group(2).split(","):
-        raw = raw.strip()
-        if raw.lower() in ("true", "false"):
-            values.append(raw.lower() == "true")
-            continue
-        try:
-            values.append(int(raw))
-        except ValueError:
-            try:
-                values.append(float(raw))
-            except ValueError:
-                raise UsageError(f"--compare value {raw!r} is not a number or true/false.") from None
-    if len(values) < 2 or len(set(values)) != len(values):
-        raise UsageError(f"--compare {text!r} needs at least two distinct values (the first is the baseline).")
-    return m.group(1), values
-
-
-def _scalar(raw: str) -> Any:
-    raw = raw.strip()
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    return raw
-
-
-def parse_settings(items: tuple[str, ...] | list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """`["off:num_draft_tokens=0", "ngram:num_draft_tokens=4,proposer=ngram"]` -> named request-field sets.
-
-    The first setting is the baseline of the gain table. Names must be distinct; each needs >= 1 field.
-    """
-    out: list[tuple[str, dict[str, Any]]] = []
-    for item in items:
-        m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*:\s*(.+)", item)
-        if not m:
-            raise UsageError(f"--setting {item!r} must look like NAME:FIELD=VALUE[,FIELD=VALUE...] "
-                             "(e.g. ngram:num_draft_tokens=4,proposer=ngram).")
-        fields: dict[str, Any] = {}
-        for pair in m.group(2).split(","):
-            key, sep, value = pair.partition("=")
-            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()) or not value.strip():
-                raise UsageError(f"--setting {item!r}: {pair!r} is not FIELD=VALUE.")
-            fields[key.strip()] = _scalar(value)
-        out.append((m.group(1), fields))
-    names = [n for n, _ in out]
-    if len(set(names)) != len(names):
-        raise UsageError(f"--setting names repeat ({names}); give each setting its own name.")
-    if len(out) == 1:
-        raise UsageError("one --setting alone compares nothing; give at least two (the first is the baseline).")
-    return out
 
 
 def resolve_tokenizer(explicit: str | None, workdir: Path) -> Path:
@@ -207,23 +165,134 @@ def _with_port(url: str, port: int, scheme: str | None = None) -> str:
     return f"{scheme}://{host}:{port}" if scheme else f"{host}:{port}"
 
 
-def loadtest(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run every profile x setting and write `<out>/report.{json,md}` + plots. Returns the report dict.
+@dataclass
+class Session:
+    """What every run against one deployment shares: endpoints, tokenizer, the model's inputs, gates.
+    Opened once per `loadtest` / `tune` by `open_session` (which does the pre-flight)."""
 
-    Raises GatesFailed (after writing the report) when an SLO gate fails, LoadtestInterrupted on Ctrl-C.
-    """
-    from specbuild.loadtests import promptsets, report as rep, target
-    from specbuild.loadtests.profiles import load_profile
-    from specbuild.loadtests.runner import run_cell
-    from specbuild.loadtests.runspec import Gates, RunSpec
+    url: str
+    grpc_url: str
+    metrics_url: str | None
+    model: str
+    protocol: str
+    counter: Any                            # loadtests.tokens.TokenCounter
+    info: Any                               # loadtests.target.ModelInfo
+    dropped: list[str]                      # optional request fields the model does not declare
+    gates: Any                              # loadtests.runspec.Gates
+    max_seq_len: int | None = None
+    workers: int = 0
+    stop_timeout: float = 5.0
+    seed: int = 0
+    progress_bar: bool = False
+    _prompts: dict[str, tuple[list[str], list[int]]] = field(default_factory=dict)
+
+    def prompts(self, profile) -> tuple[list[str], list[int]]:
+        """The profile's prompts (cut to fit, chat-templated) and their token counts; built once."""
+        from specbuild.loadtests import promptsets
+
+        if profile.name not in self._prompts:
+            texts = promptsets.build_prompts(profile.prompt_set, count=200, seed=self.seed, counter=self.counter,
+                                             max_input_tokens=input_budget(profile, self.max_seq_len),
+                                             chat=profile.chat_template)
+            self._prompts[profile.name] = (texts, [self.counter.count(t) for t in texts])
+        return self._prompts[profile.name]
+
+    def payload(self, profile, fields: dict[str, Any]) -> dict[str, Any]:
+        """The request fields of a run: the profile's, then the setting's, less what the model lacks."""
+        return {**_payload(profile, {}, self.dropped), **fields}
+
+
+def open_session(*, url: str, model: str, tokenizer: str | None, workdir: Path, inputs: list[str] = (),
+                 protocol: str = "http", grpc_url: str | None = None, metrics_url: str | None = None,
+                 gates=None, workers: int = 0, stop_timeout: float = 5.0, seed: int = 0,
+                 progress_bar: bool = False) -> Session:
+    """Resolve the tokenizer, check the server is up, `model` exists and declares `inputs`."""
+    from specbuild.loadtests import target
+    from specbuild.loadtests.runspec import Gates
     from specbuild.loadtests.tokens import TokenCounter
+
+    counter = TokenCounter(resolve_tokenizer(tokenizer, Path(workdir)))
+    grpc_url = grpc_url or _with_port(url, 8001)
+    metrics_url = _with_port(url, 8002, "http") + "/metrics" if metrics_url is None else metrics_url
+    info = target.preflight(url, model)
+    target.check_inputs(info, ["text_input", "max_tokens", *inputs])
+    if protocol == "grpc":
+        target.check_grpc(grpc_url, model)
+    return Session(url=url, grpc_url=grpc_url, metrics_url=metrics_url, model=model, protocol=protocol,
+                   counter=counter, info=info, dropped=sorted(n for n in OPTIONAL_INPUTS if n not in info.inputs),
+                   gates=gates or Gates(), max_seq_len=deployment_max_seq_len(Path(workdir)), workers=workers,
+                   stop_timeout=stop_timeout, seed=seed, progress_bar=progress_bar)
+
+
+def smoke(session: Session, profile, fields: dict[str, Any]) -> None:
+    """One short real request with the run's exact fields: a refused value fails before any load."""
+    from specbuild.loadtests import target
+
+    target.smoke_request(session.url, session.model, session.payload(profile, fields), profile.stream)
+
+
+def run_setting(session: Session, profile, setting: str, fields: dict[str, Any], run_dir: Path,
+                say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Measure one setting under one profile: the one path `loadtest` and `tune` share.
+
+    Writes `run_dir/` (runspec, Locust CSVs and logs, samples, stop.json, summary.json,
+    profile_export_genai_perf.json) and returns the run's summary (a report cell; `status` says how it
+    ended). Never raises for a failed run; Ctrl-C ends the run within seconds with status "interrupted".
+    """
+    from specbuild.loadtests import report as rep, target
+    from specbuild.loadtests.runner import run_cell
+    from specbuild.loadtests.runspec import RunSpec
+
+    (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+    prompts, counts = session.prompts(profile)
+    spec = RunSpec(label=profile.name, protocol=session.protocol, url=session.url, grpc_url=session.grpc_url,
+                   model=session.model, stream=profile.stream, payload=session.payload(profile, fields),
+                   prompts=prompts, prompt_tokens=counts, tokenizer=str(session.counter.path),
+                   samples_dir=str(run_dir / "samples"), run_dir=str(run_dir), wait_time=profile.wait_time,
+                   seed=session.seed, gates=session.gates, grpc_batch_dim=session.info.batch_dim,
+                   min_duration_s=profile.duration, min_requests=profile.min_requests,
+                   max_duration_s=profile.ceiling)
+    before = target.scrape(session.metrics_url)
+    say(f"{profile.name} / {setting}: {profile.users} users, {profile.duration:g} s and >= {profile.min_requests} "
+        f"requests (ceiling {profile.ceiling:g} s; {'streaming' if profile.stream else 'non-streaming'}, "
+        f"max_tokens {profile.max_tokens})")
+    cell = run_cell(spec, profile=profile.name, setting=setting, run_dir=run_dir, users=profile.users,
+                    spawn_rate=profile.effective_spawn_rate, workers=session.workers,
+                    stop_timeout=session.stop_timeout, progress_bar=session.progress_bar)
+    deltas = target.metric_deltas(before, None if cell.interrupted else target.scrape(session.metrics_url))
+    summary = rep.summarize_cell(cell, stream=profile.stream, users=profile.users, gates=session.gates,
+                                 metrics=target.spec_summary(deltas),
+                                 input_config={"url": session.url, "model": session.model,
+                                               "protocol": session.protocol, "request_fields": spec.payload})
+    summary["server_metrics_delta"] = target.model_deltas(deltas, session.model)
+    summary["run_dir"] = str(run_dir)
+    (run_dir / "profile_export_genai_perf.json").write_text(json.dumps(summary["_genai_perf"], indent=2) + "\n")
+    kept = {k: v for k, v in summary.items() if not k.startswith("_") and k != "run_dir"}
+    (run_dir / "summary.json").write_text(json.dumps(kept, indent=2, default=str) + "\n")
+    if summary["status"] != "ok":
+        stop = cell.stop or {}
+        say(f"{profile.name} / {setting}: {summary['status']} ({summary['requests']} completed, "
+            f"{summary['failures']} failed in {cell.duration_s:.0f} s)"
+            + (f": {stop.get('server_gone')}" if stop.get("server_gone") else ""))
+    return summary
+
+
+def loadtest(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every profile x setting and write `<out>/report.{json,md}`, summary.csv,
+    profile_export_genai_perf.json and plots. Returns the report dict.
+
+    Raises (after writing the report) GatesFailed when an SLO gate fails, ServerGone when the server
+    died, RunsFailed when a run produced nothing, LoadtestInterrupted on Ctrl-C.
+    """
+    from specbuild.loadtests import report as rep, target
+    from specbuild.loadtests.crosscheck import cross_check
+    from specbuild.loadtests.runspec import Gates
 
     say = progress or (lambda msg: log.info(msg))
     # 1. everything that can be checked without the server
-    profiles = [load_profile(p).with_overrides(users=cfg.users, duration=cfg.duration, max_tokens=cfg.max_tokens,
-                                               max_input_tokens=cfg.max_input_tokens) for p in cfg.profiles]
-    if len({p.name for p in profiles}) != len(profiles):
-        raise UsageError(f"profiles {[p.name for p in profiles]} repeat a name; give each profile once.")
+    profiles = load_profiles(cfg.profiles, users=cfg.users, duration=cfg.duration, max_tokens=cfg.max_tokens,
+                             max_input_tokens=cfg.max_input_tokens, min_requests=cfg.min_requests,
+                             max_duration=cfg.max_duration)
     param, values = parse_compare(cfg.compare)
     settings = parse_settings(cfg.settings)
     if settings and param:
@@ -233,91 +302,86 @@ def loadtest(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None)
     model = cfg.model or (SPECULATIVE_MODEL if speculative else ENSEMBLE_MODEL)
     gates = Gates(max_p95_ttft_ms=cfg.max_p95_ttft_ms, max_p95_tpot_ms=cfg.max_p95_tpot_ms,
                   max_error_rate=cfg.max_error_rate)
-    counter = TokenCounter(resolve_tokenizer(cfg.tokenizer, Path(cfg.workdir)))
-    grpc_url = cfg.grpc_url or _with_port(cfg.url, 8001)
-    metrics_url = _with_port(cfg.url, 8002, "http") + "/metrics" if cfg.metrics_url is None else cfg.metrics_url
-    max_seq_len = deployment_max_seq_len(Path(cfg.workdir))
-    budgets = {p.name: input_budget(p, max_seq_len) for p in profiles}
-    # 2. the server: up, model there, every parameter we send declared by the model
-    info = target.preflight(cfg.url, model)
-    target.check_inputs(info, ["text_input", "max_tokens"] + ([param] if param else []) + setting_fields
-                        + list(cfg.extra))
-    if cfg.protocol == "grpc":
-        target.check_grpc(grpc_url, model)
-    optional = {"stream", "temperature", "top_k", "top_p", "seed", "return_perf_metrics", "exclude_input_in_output",
-                "min_tokens"}
-    dropped = sorted(n for n in optional if n not in info.inputs)
-    prompts = {p.name: promptsets.build_prompts(p.prompt_set, count=200, seed=cfg.seed, counter=counter,
-                                                max_input_tokens=budgets[p.name], chat=p.chat_template)
-               for p in profiles}
-    report: dict[str, Any] = {
-        "schema": 1, "url": cfg.url, "model": model, "protocol": cfg.protocol, "compare": cfg.compare,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer": str(counter.path),
-        "workers": cfg.workers, "dropped_inputs": dropped, "max_seq_len": max_seq_len,
-        "max_input_tokens": budgets, "gates": gates.__dict__,
-        "profiles": {p.name: p.to_dict() for p in profiles}, "cells": [],
-        "baseline": f"{param}={values[0]}" if param else settings[0][0] if settings else None,
-        "settings": {name: fields for name, fields in settings},
-    }
-    cells = []   # (profile, setting, payload): every one is smoke-tested before any load is sent
+    if settings:
+        named = settings
+    else:
+        named = [(f"{param}={v}" if param else "default", {param: v} if param else {}) for v in values]
+    runs = [(p, name, {**cfg.extra, **fields}) for p in profiles for name, fields in named]
+    # 2. the server: up, model there, every parameter we send declared; one smoke request per run
+    session = open_session(url=cfg.url, model=model, tokenizer=cfg.tokenizer, workdir=Path(cfg.workdir),
+                           inputs=([param] if param else []) + setting_fields + list(cfg.extra),
+                           protocol=cfg.protocol, grpc_url=cfg.grpc_url, metrics_url=cfg.metrics_url, gates=gates,
+                           workers=cfg.workers, stop_timeout=cfg.stop_timeout, seed=cfg.seed,
+                           progress_bar=cfg.progress_bar)
     for profile in profiles:
-        if settings:
-            for name, fields in settings:
-                cells.append((profile, name, {**_payload(profile, cfg.extra, dropped), **fields}))
-            continue
-        for value in values:
-            payload = _payload(profile, cfg.extra, dropped)
-            if param:
-                payload[param] = value
-            cells.append((profile, f"{param}={value}" if param else "default", payload))
-    for profile, setting, payload in cells:
+        session.prompts(profile)
+    for profile, setting, fields in runs:
         say(f"{profile.name} / {setting}: smoke request")
-        target.smoke_request(cfg.url, model, payload, profile.stream)
+        smoke(session, profile, fields)
+    report: dict[str, Any] = {
+        "schema": 2, "url": cfg.url, "model": model, "protocol": cfg.protocol, "compare": cfg.compare,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokenizer": str(session.counter.path),
+        "workers": cfg.workers, "dropped_inputs": session.dropped, "max_seq_len": session.max_seq_len,
+        "max_input_tokens": {p.name: input_budget(p, session.max_seq_len) for p in profiles},
+        "gates": gates.__dict__, "profiles": {p.name: p.to_dict() for p in profiles}, "cells": [], "not_run": [],
+        "baseline": named[0][0] if param or settings else None, "settings": {n: f for n, f in settings},
+    }
     out_dir = Path(cfg.out)
-    interrupted = False
-    # 3. the load, into a temporary directory renamed into place at the end
+    interrupted, error = False, None
+    # 3. the load, into a temporary directory renamed into place at the end, whatever happened
     with stage_output(out_dir) as tmp:
         try:
-            for profile, setting, payload in cells:
-                run_dir = tmp / "runs" / profile.name / setting.replace("=", "-")
-                (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-                spec = RunSpec(label=profile.name, protocol=cfg.protocol, url=cfg.url, grpc_url=grpc_url,
-                               model=model, stream=profile.stream, payload=payload, prompts=prompts[profile.name],
-                               tokenizer=str(counter.path), samples_dir=str(run_dir / "samples"),
-                               wait_time=profile.wait_time, seed=cfg.seed, gates=gates, grpc_batch_dim=info.batch_dim)
-                before = target.scrape(metrics_url)
-                say(f"{profile.name} / {setting}: {profile.users} users for {profile.duration:g} s "
-                    f"({'streaming' if profile.stream else 'non-streaming'}, max_tokens {profile.max_tokens})")
-                cell = run_cell(spec, profile=profile.name, setting=setting, run_dir=run_dir, users=profile.users,
-                                spawn_rate=profile.effective_spawn_rate, duration=profile.duration,
-                                workers=cfg.workers, stop_timeout=cfg.stop_timeout,
-                                progress_bar=cfg.progress_bar)
-                interrupted = cell.interrupted
-                deltas = target.metric_deltas(before, target.scrape(metrics_url))
-                summary = rep.summarize_cell(cell, stream=profile.stream, users=profile.users, gates=gates,
-                                             metrics=target.spec_summary(deltas))
-                summary["server_metrics_delta"] = target.model_deltas(deltas, model)
-                if cfg.cross_check and not interrupted and setting == cells[0][1]:
-                    summary["cross_check"] = _cross_check(spec, profile, run_dir, cfg, say)
-                report["cells"].append(summary)
-                if interrupted:
+            for i, (profile, setting, fields) in enumerate(runs):
+                cell = run_setting(session, profile, setting, fields, tmp / "runs" / profile.name /
+                                   setting.replace("=", "-"), say)
+                if cfg.cross_check and cell["status"] == "ok" and setting == runs[0][1]:
+                    cell["cross_check"] = cross_check(Path(cell["run_dir"]), duration=min(profile.duration, 10.0),
+                                                       stop_timeout=cfg.stop_timeout, say=say)
+                cell["run_dir"] = str(Path(cell["run_dir"]).relative_to(tmp))
+                report["cells"].append(cell)
+                interrupted = cell["status"] == "interrupted"
+                if interrupted or (cell["status"] in ("server gone", "failed") and not target.alive(cfg.url)):
+                    report["not_run"] = [f"{p.name}/{s}" for p, s, _ in runs[i + 1:]]
                     break
         except KeyboardInterrupt:
             interrupted = True
-        report["gains"] = rep.gain_table(report["cells"], report["baseline"])
-        failed = [c for c in report["cells"] if not c.get("gates", {}).get("passed", True)]
-        report["status"] = "interrupted" if interrupted else "gates failed" if failed else "ok"
+        except Exception as e:  # noqa: BLE001  (recorded; the report of what was measured is still written)
+            error = f"{type(e).__name__}: {e}"
+            log.exception("load test aborted")
+        report["gains"] = rep.gain_table([c for c in report["cells"] if c["status"] == "ok"], report["baseline"])
+        report["status"] = overall_status(report["cells"], interrupted=interrupted, error=error)
+        report["error"] = error
+        if report["not_run"]:
+            report["note"] = f"not run (the server stopped answering): {', '.join(report['not_run'])}"
+        report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         paths = rep.write_report(tmp, report)
         write_manifest(tmp, Manifest(stage="loadtest", inputs={"url": cfg.url, "model": model},
                                      options={k: str(v) for k, v in cfg.__dict__.items()},
                                      outputs={k: p.name for k, p in paths.items()}))
     say(f"report: {out_dir / 'report.md'}")
-    if interrupted:
-        raise LoadtestInterrupted(f"interrupted; the runs finished so far are in {out_dir / 'report.md'}.")
-    if failed:
-        lines = [f"{c['profile']}/{c['setting']}: {'; '.join(c['gates']['violations'])}" for c in failed]
-        raise GatesFailed("SLO gate(s) failed: " + " | ".join(lines) + f". Full report: {out_dir / 'report.md'}.")
+    _raise_for(report, out_dir)
     return report
+
+
+def _raise_for(report: dict[str, Any], out_dir: Path) -> None:
+    md = out_dir / "report.md"
+    status, cells = report["status"], report["cells"]
+    if status == "interrupted":
+        raise LoadtestInterrupted(f"interrupted; the runs finished so far are in {md}.")
+    if status == "server gone":
+        gone = [f"{c['profile']}/{c['setting']}" for c in cells if c["status"] == "server gone"]
+        raise ServerGone(f"the server stopped answering during {', '.join(gone)} (consecutive connection "
+                         f"errors); what was measured is in {md}. Check the server log (`specbuild status`).")
+    if status == "error":
+        raise SpecbuildError(f"the load test stopped ({report['error']}); what was measured is in {md}.")
+    if status == "runs failed":
+        failed = [f"{c['profile']}/{c['setting']}" for c in cells if c["status"] == "failed"]
+        raise RunsFailed(f"run(s) {', '.join(failed)} produced no results (see their locust.log under "
+                         f"{out_dir / 'runs'}); the other runs are in {md}.")
+    if status == "gates failed":
+        failed = [c for c in cells if not c.get("gates", {}).get("passed", True)]
+        lines = [f"{c['profile']}/{c['setting']}: {'; '.join(c['gates']['violations'])}" for c in failed]
+        raise GatesFailed("SLO gate(s) failed: " + " | ".join(lines) + f". Full report: {md}.")
 
 
 def _payload(profile, extra: dict[str, Any], dropped: list[str]) -> dict[str, Any]:
@@ -331,38 +395,3 @@ def _payload(profile, extra: dict[str, Any], dropped: list[str]) -> dict[str, An
         payload["min_tokens"] = profile.max_tokens
     payload.update(extra)
     return {k: v for k, v in payload.items() if k not in dropped}
-
-
-def _cross_check(spec, profile, run_dir: Path, cfg: LoadtestConfig, say) -> dict[str, Any]:
-    """The measurement check: the same request (one prompt, one user, no think time) measured by Locust
-    and by the independent asyncio+httpx client, back to back; ratios of medians (independent / Locust)."""
-    import dataclasses
-
-    from specbuild.loadtests import report as rep
-    from specbuild.loadtests.independent_client import compare_medians, measure
-    from specbuild.loadtests.runner import run_cell
-
-    duration = min(profile.duration, 10.0)
-    check_dir = run_dir / "crosscheck"
-    (check_dir / "samples").mkdir(parents=True, exist_ok=True)
-    check = dataclasses.replace(spec, label=f"{spec.label}-crosscheck", prompts=spec.prompts[:1],
-                                wait_time=(0.0, 0.0), samples_dir=str(check_dir / "samples"), protocol="http")
-    say(f"{profile.name}: cross-check, Locust and an independent asyncio+httpx client side by side "
-        f"({duration:g} s, one user each)")
-    try:
-        # Side by side, so both see the same server load and CPU contention (back to back they would not).
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            future = pool.submit(run_cell, check, profile=profile.name, setting="crosscheck", run_dir=check_dir,
-                                 users=1, spawn_rate=1.0, duration=duration, stop_timeout=cfg.stop_timeout)
-            time.sleep(min(2.0, duration / 4))   # Locust's start-up (imports, tokenizer) before both measure
-            records = asyncio.run(measure(check, users=1, duration=duration - min(2.0, duration / 4)))
-            cell = future.result()
-        locust = rep.summarize_cell(cell, stream=spec.stream, users=1)
-        p50 = lambda d: d["p50"] if d else None  # noqa: E731
-        out = compare_medians(records, locust_ttft_p50=p50(locust["ttft_ms"]), locust_e2e_p50=p50(locust["e2e_ms"]))
-        out.update(locust_requests=locust["requests"], locust_ttft_p50_ms=p50(locust["ttft_ms"]),
-                   locust_e2e_p50_ms=p50(locust["e2e_ms"]),
-                   locust_harness_overhead_p50_ms=p50(locust["harness"]["overhead_ms"]))
-        return out
-    except Exception as e:  # (httpx, Locust) the check must not lose the report of the load already run
-        return {"error": f"{type(e).__name__}: {e}", "within_10pct": False}

@@ -4,8 +4,9 @@
     result = tune(TuneConfig(workdir=Path("work"), profiles=("chat", "batch"), ks=(0, 2, 4), duration=15))
     result["profiles"]["chat"]["winner"]        # e.g. {"label": "k=4/draft", "k": 4, "proposer": "draft"}
 
-Every setting is one short `specbuild.pipeline.loadtest.loadtest(...)` run (Locust, real traffic) against the
-deployment's speculative model. Scores per profile: chat = median TPOT (lower is better; tie within 1%
+Every setting is one short `specbuild.pipeline.loadtest.run_setting(...)` run (Locust, real traffic)
+against the deployment's speculative model, in one session: pre-flight and smoke requests once, no
+per-candidate report. Scores per profile: chat = median TPOT (lower is better; tie within 1%
 -> median e2e), batch = output tokens/s (higher is better; tie -> median e2e). A setting with a failed
 request cannot win. K=0 is the baseline (speculation off); with K=0 the proposer does not matter, so it is
 measured once. The proposer is swept only when the deployment's model declares an optional `proposer`
@@ -14,8 +15,8 @@ input; otherwise K alone is swept (the deployment's default proposer) and tune.j
 Everything that can be refused is refused before any load: unknown profile, bad K list, K above the
 engine's max_draft_len, unknown proposer, server down, model missing, --apply without an embedded
 repository. Output: `<out>/tune.json`, `<out>/tune.md`, `<out>/runs/<profile>/<setting>/` (each run's
-load-test report), written atomically. With `apply`, the chosen default goes into the engine model's
-config.pbtxt (`apply_tuned_defaults`); the server must be restarted to pick it up.
+Locust CSVs, samples and summary.json), written atomically. With `apply`, the chosen default goes into
+the engine model's config.pbtxt (`apply_tuned_defaults`); the server must be restarted to pick it up.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Callable
 
 from specbuild import __version__
 from specbuild.pipeline.contract import SPECULATIVE_MODEL
-from specbuild.pipeline.errors import ManifestError, ServerError, SpecbuildError, UsageError
+from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
 from specbuild.pipeline.manifest import MANIFEST, Manifest, atomic_write_text, stage_output, write_manifest
 from specbuild.pipeline.tune_score import (TIE_TOLERANCE, Setting, choose_default, choose_winner, cell_row, gain_vs_baseline,
                                   objective_for, per_profile_winners, render_markdown)
@@ -71,7 +72,8 @@ class TuneConfig:
     metrics_url: str | None = None
     tokenizer: str | None = None
     model: str = SPECULATIVE_MODEL
-    duration: float = 15.0
+    duration: float = 15.0                  # seconds per setting, at least (and min_requests completed)
+    min_requests: int | None = None         # None: each profile's own
     users: int | None = None
     max_tokens: int | None = None
     apply: bool = False
@@ -91,7 +93,7 @@ class TuneConfig:
         bad = [p for p in self.proposers if p not in PROPOSERS]
         if bad or not self.proposers or len(set(self.proposers)) != len(self.proposers):
             raise UsageError(f"--proposer {list(self.proposers)}: give one or more of {PROPOSERS}, each once.")
-        for name in ("duration", "users", "max_tokens"):
+        for name in ("duration", "users", "max_tokens", "min_requests"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {v}.")
@@ -142,102 +144,95 @@ def resolve_server(cfg: TuneConfig) -> tuple[str, str | None]:
     return where.http, where.metrics
 
 
-def model_config_inputs(url: str, model: str, timeout: float = 10.0) -> list[str]:
-    """Input names the running model declares (GET /v2/models/<model>/config)."""
-    import httpx
+def proposers_to_sweep(proposers: tuple[str, ...], inputs, engine: dict[str, Any],
+                       model: str) -> tuple[tuple[str, ...] | None, str | None]:
+    """(proposers to sweep or None = the deployment's default only, a note saying why not all)."""
+    if "proposer" not in inputs:
+        return None, (f"model {model!r} does not declare the optional `proposer` input: K swept with the "
+                      f"deployment's default proposer ({engine.get('default_proposer') or 'unknown'}) only.")
+    if engine.get("has_draft") is False and "draft" in proposers:
+        return (tuple(p for p in proposers if p != "draft") or None,
+                "the engine has no draft model: the draft proposer was not swept.")
+    return proposers, None
 
-    try:
-        resp = httpx.get(f"{url}/v2/models/{model}/config", timeout=timeout)
-    except httpx.HTTPError as e:
-        raise ServerError(f"no Triton server answers at {url} ({e}); start it with `specbuild serve "
-                          "--background` or pass the right --url.") from e
-    if resp.status_code != 200:
-        return []
-    return [i["name"] for i in resp.json().get("input", [])]
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "specbuild": __version__, "host": platform.node()}
 
 
 def tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None, show_bar: bool = False) -> dict[str, Any]:
-    """Sweep, score, write `<out>/tune.{json,md}` (and apply with cfg.apply). Returns the result dict."""
+    """Sweep, score, write `<out>/tune.{json,md}` (and apply with cfg.apply). Returns the result dict.
+
+    The loadtest skeleton, once: one session (tokenizer, pre-flight), one smoke request per profile x
+    setting, then `loadtest.run_setting` per candidate (no per-candidate report or manifest)."""
     from tqdm import tqdm
 
-    from specbuild.pipeline.loadtest import LoadtestConfig, LoadtestInterrupted, loadtest, resolve_tokenizer
-    from specbuild.loadtests import target
-    from specbuild.loadtests.profiles import load_profile
+    from specbuild.pipeline.loadtest import (LoadtestInterrupted, ServerGone, load_profiles, open_session,
+                                             run_setting, smoke)
 
     say = progress or (lambda msg: None)
     workdir = Path(cfg.workdir)
     out_dir = Path(cfg.out) if cfg.out else workdir / "tune"
     # 1. everything checkable without the server
-    profiles = [load_profile(p).with_overrides(users=cfg.users, duration=cfg.duration, max_tokens=cfg.max_tokens)
-                for p in cfg.profiles]
+    profiles = load_profiles(cfg.profiles, users=cfg.users, duration=cfg.duration, max_tokens=cfg.max_tokens,
+                             min_requests=cfg.min_requests)
     engine = engine_facts(workdir)
     ks = sweep_ks(cfg.ks, engine["max_draft_len"])
-    tokenizer = str(resolve_tokenizer(cfg.tokenizer, workdir))
     repo_dir = workdir / "model_repository"
     if cfg.apply:
         read_engine_model_config(repo_dir)   # refuse now, not after minutes of load
     # 2. the server: up, model there; does the model let the request choose the proposer?
     url, metrics_url = resolve_server(cfg)
-    target.preflight(url, cfg.model)
-    declares_proposer = "proposer" in model_config_inputs(url, cfg.model)
-    proposers: tuple[str, ...] | None = cfg.proposers
-    note = None
-    if not declares_proposer:
-        proposers = None
-        note = (f"model {cfg.model!r} does not declare the optional `proposer` input: K swept with the "
-                f"deployment's default proposer ({engine.get('default_proposer') or 'unknown'}) only.")
-    elif engine.get("has_draft") is False and "draft" in proposers:
-        proposers = tuple(p for p in proposers if p != "draft") or None
-        note = "the engine has no draft model: the draft proposer was not swept."
+    session = open_session(url=url, model=cfg.model, tokenizer=cfg.tokenizer, workdir=workdir,
+                           inputs=["num_draft_tokens"], metrics_url=metrics_url, seed=cfg.seed)
+    proposers, note = proposers_to_sweep(cfg.proposers, session.info.inputs, engine, cfg.model)
     if note:
         say(note)
     settings = plan_settings(ks, proposers)
     for profile in profiles:   # every setting's exact fields, once, before any load
         for s in settings:
-            target.smoke_request(url, cfg.model, {**s.request_fields(), "stream": profile.stream}, profile.stream)
+            smoke(session, profile, s.request_fields())
     result: dict[str, Any] = {
-        "schema": 1, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": url,
-        "model": cfg.model, "tokenizer": tokenizer, "engine": engine,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpu_count": os.cpu_count(), "specbuild": __version__, "host": platform.node()},
+        "schema": 2, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": url,
+        "model": cfg.model, "tokenizer": str(session.counter.path), "engine": engine, "machine": machine(),
         "sweep": {"k": list(ks), "proposers": list(proposers) if proposers else None,
                   "proposer_swept": proposers is not None, "note": note, "settings": [s.label for s in settings],
                   "duration_s": cfg.duration, "users": cfg.users, "max_tokens": cfg.max_tokens,
                   "tie_tolerance": TIE_TOLERANCE},
         "profiles": {},
     }
-    # 3. the load: one short loadtest per profile x setting, into a temp dir renamed into place
+    # 3. the load: one run per profile x setting, into a temp dir renamed into place
     apply_error = None
-    interrupted = False
+    stopped = None   # "interrupted" | "server gone"
     with stage_output(out_dir) as tmp:
         bar = tqdm(total=len(profiles) * len(settings), desc="tune", unit="run", disable=not show_bar)
         for profile in profiles:
             objective = objective_for(profile)
             rows: list[dict[str, Any]] = []
-            try:
-                for s in settings:
-                    bar.set_postfix_str(f"{profile.name} {s.label}")
-                    run_out = tmp / "runs" / profile.name / s.slug
-                    rep = loadtest(LoadtestConfig(
-                        profiles=(str(profile.source or profile.name),), url=url, metrics_url=metrics_url,
-                        model=cfg.model, tokenizer=tokenizer, workdir=workdir, out=run_out, users=profile.users,
-                        duration=profile.duration, max_tokens=profile.max_tokens, seed=cfg.seed,
-                        extra=s.request_fields()), progress=lambda m: say(f"  {m}"))
-                    rows.append({**cell_row(s, rep["cells"][0]),
-                                 "report": str(Path("runs") / profile.name / s.slug / "report.md")})
-                    bar.update(1)
-            except (LoadtestInterrupted, KeyboardInterrupt):
-                interrupted = True   # keep what was measured; the interrupted run itself is dropped
+            for s in settings:
+                bar.set_postfix_str(f"{profile.name} {s.label}")
+                try:
+                    cell = run_setting(session, profile, s.label, s.request_fields(),
+                                       tmp / "runs" / profile.name / s.slug, lambda m: say(f"  {m}"))
+                except KeyboardInterrupt:
+                    cell = {"status": "interrupted"}
+                if cell["status"] in ("interrupted", "server gone"):
+                    stopped = cell["status"]   # keep what was measured; the cut-short run does not compete
+                    break
+                rows.append({**cell_row(s, cell), "status": cell["status"],
+                             "report": str(Path("runs") / profile.name / s.slug / "summary.json")})
+                bar.update(1)
             winner = choose_winner(rows, objective)
             result["profiles"][profile.name] = {
                 "objective": objective.__dict__, "profile": profile.to_dict(), "settings": rows,
                 "baseline": "k=0" if 0 in ks else None,
                 "winner": None if winner is None else {k: winner[k] for k in ("label", "k", "proposer", "score")},
                 "gain_vs_baseline": gain_vs_baseline(rows, winner, objective)}
-            if interrupted:
+            if stopped:
                 break
         bar.close()
-        result["default"] = None if interrupted else choose_default(result["profiles"])
+        result["default"] = None if stopped else choose_default(result["profiles"])
         result["applied"] = None
         if cfg.apply and result["default"]:
             d = result["default"]
@@ -247,16 +242,19 @@ def tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None, show_ba
                 apply_error = e
         result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         failed = [n for n, p in result["profiles"].items() if p["winner"] is None]
-        result["status"] = "interrupted" if interrupted else "no valid setting" if failed else "ok"
+        result["status"] = stopped or ("no valid setting" if failed else "ok")
         (tmp / "tune.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
         (tmp / "tune.md").write_text(render_markdown(result))
         write_manifest(tmp, Manifest(stage="tune", inputs={"url": url, "model": cfg.model},
                                      options={k: str(v) for k, v in cfg.__dict__.items()},
                                      outputs={"json": "tune.json", "md": "tune.md"}))
     say(f"tune report: {out_dir / 'tune.md'}")
-    if interrupted:
+    if stopped == "interrupted":
         raise LoadtestInterrupted(f"interrupted: nothing was applied; the runs finished so far are in "
                                   f"{out_dir / 'tune.md'}.")
+    if stopped == "server gone":
+        raise ServerGone(f"the server stopped answering during the sweep: nothing was applied; the runs "
+                         f"finished so far are in {out_dir / 'tune.md'}.")
     if apply_error:
         raise apply_error
     if failed:

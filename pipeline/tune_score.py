@@ -76,6 +76,8 @@ def cell_row(setting: Setting, cell: dict[str, Any]) -> dict[str, Any]:
 
 
 def _invalid_reason(row: dict[str, Any], objective: Objective) -> str | None:
+    if row.get("status", "ok") != "ok":   # too slow to measure here, failed
+        return str(row["status"])
     if not row.get("requests"):
         return "no request completed"
     if row.get("failures"):

@@ -224,9 +224,10 @@ def test_parse_settings_names_and_fields():
 
     assert parse_settings(["off:num_draft_tokens=0", "ngram:num_draft_tokens=4,proposer=ngram"]) == [
         ("off", {"num_draft_tokens": 0}), ("ngram", {"num_draft_tokens": 4, "proposer": "ngram"})]
-    for bad in (["off"], ["a:k"], ["a:k=1", "a:k=2"], ["a:k=1"], ["a:=1", "b:k=2"]):
+    for bad in (["off"], ["a:k"], ["a:k=1", "a:k=2"], ["a:=1", "b:k=2"]):
         with pytest.raises(UsageError):
             parse_settings(bad)
+    assert parse_settings(["draft:num_draft_tokens=4"]) == [("draft", {"num_draft_tokens": 4})]   # one config
 
 
 def test_chat_template_wraps_prompts_and_fixed_output_sets_min_tokens(tiny_tokenizer):
@@ -240,3 +241,167 @@ def test_chat_template_wraps_prompts_and_fixed_output_sets_min_tokens(tiny_token
     chat = load_profile("chat").with_overrides(max_tokens=32)
     assert chat.fixed_output and _payload(chat, {}, [])["min_tokens"] == 32
     assert "min_tokens" not in _payload(dataclasses.replace(chat, fixed_output=False), {}, [])
+
+
+# --- adaptive runs, failures kept, server death ------------------------------------------------------
+
+def test_profiles_carry_min_requests_and_a_ceiling():
+    chat, batch = load_profile("chat"), load_profile("batch")
+    assert chat.min_requests >= 1 and batch.min_requests >= 1
+    assert chat.ceiling == max(4 * chat.duration, chat.duration + 60)
+    short = chat.with_overrides(duration=3, min_requests=2)
+    assert (short.duration, short.min_requests, short.ceiling) == (3.0, 2, 63.0)
+    assert chat.with_overrides(duration=10, max_duration=15).ceiling == 15.0
+    with pytest.raises(UsageError, match="invalid max_duration"):
+        chat.with_overrides(duration=10, max_duration=5)
+    with pytest.raises(UsageError, match="invalid min_requests"):
+        profile_from_dict({**BASE, "min_requests": 0}, name="p")
+
+
+class _Entry:
+    def __init__(self, n, failed=0):
+        self.num_requests, self.num_failures = n, failed
+
+
+class _Env:
+    """The two things RunMonitor reads of a Locust Environment: stats entries and the runner."""
+
+    def __init__(self):
+        self.stats = type("S", (), {"entries": {}})()
+        self.quits = 0
+        self.runner = type("R", (), {"quit": lambda _self: setattr(self, "quits", self.quits + 1)})()
+
+
+def test_run_monitor_ends_on_duration_and_requests_or_the_ceiling(tmp_path):
+    from specbuild.loadtests.stopping import COMPLETE, SERVER_GONE, TOO_SLOW, RunMonitor
+
+    spec = RunSpec(label="chat", protocol="http", url="http://x", grpc_url="x:1", model="m", stream=True,
+                   payload={}, prompts=["hi"], tokenizer="t", samples_dir=str(tmp_path / "samples"),
+                   run_dir=str(tmp_path), min_duration_s=10, min_requests=5, max_duration_s=40)
+    now = [0.0]
+    env = _Env()
+    mon = RunMonitor(env, spec, clock=lambda: now[0])
+    mon.started = 0.0
+    env.stats.entries[("chat", "E2E")] = _Entry(9, failed=5)       # 4 completed
+    now[0] = 12.0
+    assert mon.verdict() is None                                    # duration passed, too few requests
+    env.stats.entries[("chat", "E2E")] = _Entry(10, failed=5)
+    assert mon.verdict() == COMPLETE
+    now[0] = 5.0
+    assert mon.verdict() is None                                    # enough requests, duration not yet
+    env.stats.entries[("chat", "E2E")] = _Entry(2)
+    now[0] = 40.0
+    assert mon.verdict() == TOO_SLOW
+    mon.end(TOO_SLOW)
+    mon.end(COMPLETE)                                               # the first reason stays
+    stop = json.loads((tmp_path / "stop.json").read_text())
+    assert stop["reason"] == TOO_SLOW and stop["completed"] == 2 and stop["min_requests"] == 5 and env.quits == 1
+    gone = RunMonitor(_Env(), spec, clock=lambda: 1.0)
+    gone.started, gone.gone = 0.0, "5 consecutive connection errors"
+    assert gone.verdict() == SERVER_GONE
+
+
+def test_connection_errors_are_told_apart_from_server_errors():
+    from geventhttpclient.response import HTTPConnectionClosed
+
+    from specbuild.loadtests.stopping import is_connection_error
+
+    class RequestFailed(Exception):   # (triton_user's; importing Locust here would monkey-patch pytest)
+        pass
+
+    assert is_connection_error(ConnectionRefusedError(111, "Connection refused"))
+    assert is_connection_error(ConnectionResetError()) and is_connection_error(HTTPConnectionClosed("closed"))
+    assert is_connection_error(Exception("[StatusCode.UNAVAILABLE] failed to connect to all addresses"))
+    assert not is_connection_error(RequestFailed("HTTP 400: bad num_draft_tokens"))
+    assert not is_connection_error(TimeoutError("timed out"))
+
+
+def test_failed_and_too_slow_runs_are_in_every_report_file(tmp_path):
+    import csv
+
+    ok = CellResult("chat", "off", tmp_path, 0, 5.0, samples=_samples(110.0, 5, None),
+                    stop={"reason": "complete", "min_requests": 5, "min_duration_s": 3, "max_duration_s": 63})
+    slow = CellResult("batch", "off", tmp_path, 0, 63.0, samples=_samples(900.0, 2, None),
+                      stop={"reason": "too slow to measure here", "completed": 2, "min_requests": 16,
+                            "min_duration_s": 3, "max_duration_s": 63})
+    failed = CellResult("batch", "draft", tmp_path, 0, 70.0, error="Locust produced no results for batch/draft")
+    gone = CellResult("batch", "ngram", tmp_path, 4, 8.0, samples=_samples(50.0, 1, None),
+                      stop={"reason": "server gone", "server_gone": "5 consecutive connection errors"})
+    cells = [rep.summarize_cell(c, stream=c.profile == "chat", users=2) for c in (ok, slow, failed, gone)]
+    assert [c["status"] for c in cells] == ["ok", "too slow to measure here", "failed", "server gone"]
+    from specbuild.loadtests.report import overall_status
+
+    assert overall_status(cells, interrupted=False) == "server gone"
+    assert overall_status(cells[:3], interrupted=False) == "runs failed"
+    assert overall_status(cells[:2], interrupted=False) == "too slow to measure here"
+    assert overall_status(cells, interrupted=True) == "interrupted" and overall_status(cells[:1], interrupted=False) == "ok"
+    report = {"url": "http://x", "model": "m", "protocol": "http", "started": "now", "status": "server gone",
+              "cells": cells, "gains": []}
+    paths = rep.write_report(tmp_path / "out", report)
+    md = paths["md"].read_text()
+    assert "## Runs that did not complete a measurement" in md
+    assert "batch / off: **too slow to measure here**: 2 request(s) completed" in md and "wanted 16" in md
+    assert "batch / draft: **failed**" in md and "Locust produced no results" in md
+    assert "5 consecutive connection errors" in md
+    rows = list(csv.DictReader(open(paths["csv"])))
+    assert [(r["profile"], r["setting"], r["status"]) for r in rows] == [
+        ("chat", "off", "ok"), ("batch", "off", "too slow to measure here"), ("batch", "draft", "failed"),
+        ("batch", "ngram", "server gone")]
+    assert float(rows[0]["e2e_ms_p50"]) == 112.0 and rows[2]["requests"] == "0" and rows[2]["e2e_ms_p50"] == ""
+    genai = json.loads(paths["genai_perf"].read_text())
+    assert set(genai["runs"]) == {"chat/off", "batch/off", "batch/draft", "batch/ngram"}
+    assert genai["runs"]["batch/draft"]["request_count"]["avg"] == 0 and "request_latency" not in genai["runs"]["batch/draft"]
+    assert "_genai_perf" not in json.loads(paths["json"].read_text())["cells"][0]
+
+
+def test_genai_perf_export_names_statistics_and_units():
+    """The names, statistics and units of GenAI-Perf's profile_export_genai_perf.json (export.py says which
+    version); statistics as numpy computes them (linear percentiles, population std)."""
+    import numpy as np
+
+    from specbuild.loadtests.export import PERCENTILES, genai_perf_export
+
+    samples = _samples(110.0, 5, None)
+    for i, s in enumerate(samples):
+        s["input_tokens"] = 20 + i
+    samples.append({"kind": "request", "start": 1000.0, "ok": False, "error": "x", "e2e_ms": 1.0})
+    out = genai_perf_export(samples, stream=True, window_s=4.0, input_config={"profile": "chat"})
+    assert list(out) == ["time_to_first_token", "inter_token_latency", "request_latency",
+                         "output_token_throughput_per_request", "output_sequence_length", "input_sequence_length",
+                         "output_token_throughput", "request_throughput", "request_count", "input_config"]
+    stats = ["unit", "avg"] + [f"p{p}" for p in PERCENTILES] + ["min", "max", "std"]
+    assert [f"p{p}" for p in PERCENTILES] == ["p1", "p5", "p10", "p25", "p50", "p75", "p90", "p95", "p99"]
+    e2e = [s["e2e_ms"] for s in samples if s["ok"]]
+    rl = out["request_latency"]
+    assert list(rl) == stats and rl["unit"] == "ms"
+    assert rl["avg"] == pytest.approx(np.mean(e2e)) and rl["std"] == pytest.approx(np.std(e2e))
+    assert all(rl[f"p{p}"] == pytest.approx(np.percentile(e2e, p)) for p in PERCENTILES)
+    # GenAI-Perf's inter_token_latency is per request (e2e - ttft) / (osl - 1): our TPOT
+    assert out["inter_token_latency"]["p50"] == pytest.approx(np.median([s["tpot_ms"] for s in samples[:5]]))
+    assert out["input_sequence_length"]["unit"] == "tokens" and out["input_sequence_length"]["max"] == 24
+    assert out["output_token_throughput"] == {"unit": "tokens/sec", "avg": 55 / 4.0}
+    assert out["request_throughput"] == {"unit": "requests/sec", "avg": 5 / 4.0}
+    assert out["request_count"] == {"unit": "count", "avg": 5}
+    assert out["output_token_throughput_per_request"]["unit"] == "tokens/sec"
+    batch = genai_perf_export(samples, stream=False, window_s=4.0, input_config={})
+    assert "time_to_first_token" not in batch and "inter_token_latency" not in batch   # as GenAI-Perf does
+
+
+def test_prometheus_text_is_parsed_in_one_place():
+    from specbuild.pipeline.metrics import metric_sum, parse_prometheus
+
+    text = textwrap.dedent("""\
+        # HELP nv_inference_count Number of inferences
+        # TYPE nv_inference_count counter
+        nv_inference_count{model="ensemble",version="1"} 12
+        nv_inference_count{model="ensemble2",version="1"} 3
+        specbuild_draft_tokens_total 4.5e2
+        nv_gpu_utilization{gpu_uuid="x"} NaN
+        with_timestamp 7 1700000000000
+        not a sample line
+    """)
+    s = parse_prometheus(text)
+    assert s['nv_inference_count{model="ensemble",version="1"}'] == 12.0 and s["specbuild_draft_tokens_total"] == 450.0
+    assert s["with_timestamp"] == 7.0 and len(s) == 5
+    assert metric_sum(s, "nv_inference_count") == 15.0 and metric_sum(s, "nv_inference_count", model="ensemble") == 12.0
+    assert metric_sum(s, "absent") == 0.0

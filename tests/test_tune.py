@@ -243,7 +243,10 @@ def test_tune_end_to_end_against_the_real_server(running_server, tmp_path):
     assert chat["winner"]["label"] in expected and result["default"]["label"] == chat["winner"]["label"]
     for r in chat["settings"]:
         assert r["requests"] > 0 and r["failures"] == 0 and r["tpot_ms_p50"] > 0 and r["tokens_per_s"] > 0
-        assert (work / "tune" / r["report"]).is_file()
+        assert (work / "tune" / r["report"]).is_file() and r["status"] == "ok"
+        run = (work / "tune" / r["report"]).parent   # one shared skeleton: no per-candidate report/manifest
+        assert (run / "locust_stats.csv").is_file() and not (run / "report.json").exists()
+        assert not (run / "manifest.json").exists()
     assert [r for r in chat["settings"] if r["k"] == 2][0]["drafted"] > 0
     assert chat["profile"]["users"] == 2 and chat["profile"]["max_tokens"] == 8
     assert result["machine"]["cpu_count"] >= 1 and result["status"] == "ok"
