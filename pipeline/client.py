@@ -313,19 +313,14 @@ def grpc_inputs(body: dict[str, Any]) -> list:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text format -> {'name{labels}': value} (labels as printed by Triton)."""
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
+    """Prometheus text -> {'name{labels}': value}: `specbuild.pipeline.metrics.parse_prometheus`."""
+    from specbuild.pipeline.metrics import parse_prometheus
+
+    return parse_prometheus(text)
 
 
 def metric(metrics: dict[str, float], name: str) -> float:
-    """Sum of every series of `name` (any labels); 0.0 if absent."""
-    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+    """Sum of every series of `name` (any labels); 0.0 if absent: `specbuild.pipeline.metrics.metric_sum`."""
+    from specbuild.pipeline.metrics import metric_sum
+
+    return metric_sum(metrics, name)
