@@ -11,7 +11,7 @@ help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
 	@echo "make demo    - offline end-to-end demo on SmolLM2-135M-Instruct (convert .. report)"
 	@echo "make test    - the full offline test suite (real tokenizers, models, tritonserver, locust)"
-	@echo "make bench   - engine benchmarks -> bench/results/{engine,adaptive}.json (bench-quick: short)"
+	@echo "make bench   - engine benchmarks -> bench/results/{engine,served,adaptive}.json (bench-quick: short)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +34,16 @@ demo:
 
 bench:
 	$(BIN)/python bench/bench_engine.py --out bench/results/engine.json
+	$(BIN)/python bench/bench_served.py --out bench/results/served.json
 	$(BIN)/python bench/bench_adaptive.py --out bench/results/adaptive.json
 
 bench-quick:
 	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json
+	$(BIN)/python bench/bench_served.py --quick --out bench/results/served.json
 	$(BIN)/python bench/bench_adaptive.py --quick --out bench/results/adaptive.json
+
+soak:
+	$(BIN)/python bench/soak.py --duration $${SOAK_DURATION:-600}
 
 clean:
 	rm -rf $(WORKDIR) bench/results report

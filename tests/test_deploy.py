@@ -1,5 +1,5 @@
 """`specbuild deploy` (embedded): the rendered repository, its configs (Triton's protobuf), the stage
-behaviour (no-op, force, dry-run, refusals) and the request parsing of the engine model."""
+behaviour (no-op, force, dry-run, refusals) and the perf-metric outputs of the engine model."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from specbuild.pipeline import contract
 from specbuild.pipeline.deploy import deploy
 from specbuild.engines.embedded.deploy import render
 from specbuild.pipeline.errors import ManifestError, UsageError
-from specbuild.model_repository.embedded.request_params import BadRequest, Limits, parse_request, perf_metrics
+from specbuild.model_repository.embedded.request_params import perf_metrics
 
 
 def parse(text: str) -> model_config_pb2.ModelConfig:
@@ -55,7 +55,8 @@ def test_rendered_configs_parse_and_keep_the_contract(tmp_path):
     assert all(i.optional for i in engine.input)
     assert {"request_key", "abort", "num_draft_tokens"} <= {i.name for i in engine.input}
     params = {k: v.string_value for k, v in engine.parameters.items()}
-    assert params == {"engine_dir": str((tmp_path / "engines").resolve()), "device": "cpu", "threads": "2"}
+    assert params == {"engine_dir": str((tmp_path / "engines").resolve()), "device": "cpu", "threads": "2",
+                      "max_queue_size": "", "queue_timeout_s": ""}  # empty: engine_config.json decides
     default = parse(render(tmp_path / "engines", {"max_batch_size": 8, "device": "", "threads": 0})
                     ["tensorrt_llm/config.pbtxt"])
     assert default.parameters["device"].string_value == ""  # the engine runs where it was built
@@ -118,58 +119,7 @@ def test_deploy_cli(built):
     assert res.exit_code == 2 and "--device" in res.output
 
 
-# ---- request parsing of the engine model (no server) ---------------------------------------------------
-LIMITS = Limits(max_seq_len=128, max_draft_len=4)
-
-
-def getter(**tensors):
-    def get(name):
-        v = tensors.get(name)
-        if v is None:
-            return None
-        if isinstance(v, (str, bytes)):
-            return np.array([[v.encode() if isinstance(v, str) else v]], dtype=np.object_)
-        return np.array([[v]])
-    return get
-
-
-def test_parse_request_maps_the_contract():
-    p = parse_request(getter(text_input="héllo", max_tokens=8, temperature=0.5, top_k=3, top_p=0.0, seed=7,
-                             end_id=2, min_length=2, num_draft_tokens=0, stream=True, return_perf_metrics=True),
-                      LIMITS)
-    assert p.prompt == "héllo" and p.stream and p.return_perf_metrics and not p.exclude_input_in_output
-    assert p.num_draft_tokens == 0
-    assert p.sampling == {"max_tokens": 8, "temperature": 0.5, "top_k": 3, "top_p": 1.0, "seed": 7,
-                          "min_tokens": 2, "stop": (), "stop_token_ids": (2,)}
-    stops = np.array([[b"\n\n", b"END"]], dtype=np.object_)
-    p = parse_request(lambda n: stops if n == "stop_words" else getter(text_input="x", max_tokens=1)(n), LIMITS)
-    assert p.sampling["stop"] == ("\n\n", "END") and p.num_draft_tokens is None and "stop_token_ids" not in p.sampling
-
-
-@pytest.mark.parametrize("tensors, message", [
-    ({"max_tokens": 4}, "text_input is missing"),
-    ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
-    ({"text_input": b"\xff\xfe", "max_tokens": 4}, "not valid UTF-8"),
-    ({"text_input": "hi"}, "max_tokens is missing"),
-    ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be > 0"),
-    ({"text_input": "hi", "max_tokens": -3}, "max_tokens must be > 0"),
-    ({"text_input": "hi", "max_tokens": 500}, "beyond the engine's max sequence length 128"),
-    ({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": 5}, "above the built maximum 4"),
-    ({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": -2}, "num_draft_tokens must be >= 0"),
-    ({"text_input": "hi", "max_tokens": 4, "temperature": -1.0}, "temperature must be >= 0"),
-    ({"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, "top_p must be in"),
-    ({"text_input": "hi", "max_tokens": 4, "top_k": -2}, "top_k must be >= 0"),
-])
-def test_parse_request_refusals(tensors, message):
-    with pytest.raises(BadRequest, match=message):
-        parse_request(getter(**tensors), LIMITS)
-
-
-def test_parse_request_refuses_batches():
-    two = np.array([[b"a"], [b"b"]], dtype=np.object_)
-    with pytest.raises(BadRequest, match="one prompt per request"):
-        parse_request(lambda n: two if n == "text_input" else getter(max_tokens=3)(n), LIMITS)
-
+# ---- perf-metric outputs of the engine model (request parsing: tests/test_frontend.py) -----------------
 
 def test_perf_metrics():
     class S:

@@ -8,6 +8,7 @@ lossless speculation through the server, custom metrics, every refused request, 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -195,19 +196,23 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(running_server, r
     bad_http = [
         ({"max_tokens": 4}, "text_input"),
         ({"text_input": "", "max_tokens": 4}, "text_input is empty"),
-        ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be > 0"),
-        ({"text_input": "hi", "max_tokens": -5}, "max_tokens must be > 0"),
-        ({"text_input": "hi", "max_tokens": 100000}, "beyond the engine's max sequence length 1024"),
+        ({"text_input": "hi", "max_tokens": 0}, "max_tokens=0 must be >= 1"),
+        ({"text_input": "hi", "max_tokens": -5}, "max_tokens=-5 must be >= 1"),
+        ({"text_input": "hi", "max_tokens": 100000}, "exceeds max_seq_len=1024"),
         ({"text_input": "hi " * 700, "max_tokens": 900}, "exceeds max_seq_len=1024"),
+        ({"text_input": "x" * 70000, "max_tokens": 4}, "max_prompt_bytes=65536"),
+        ({"text_input": "hi", "max_tokens": 4, "stop_words": ["s"] * 17}, "max_stop_words=16"),
+        ({"text_input": "hi", "max_tokens": 4, "stop_words": ["s" * 300]}, "max_stop_word_bytes=256"),
     ]
     if model == contract.SPECULATIVE_MODEL:
-        bad_http.append(({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": 9}, "above the built maximum 4"))
+        bad_http.append(({"text_input": "hi", "max_tokens": 4, "num_draft_tokens": 9},
+                         "outside [0, max_draft_len=4]"))
     for body, message in bad_http:
         r = httpx.post(f"{running_server.http_url}/v2/models/{model}/generate", json=body, timeout=60)
         assert r.status_code == 400 and message in r.json()["error"], (body, r.text)
         if "text_input" in body:  # the same refusal on the streaming endpoint
             params = {k: v for k, v in body.items() if k != "text_input"}
-            with pytest.raises(RequestError, match=message):
+            with pytest.raises(RequestError, match=re.escape(message)):
                 c.generate_stream(body["text_input"], **params)
     # over gRPC: non-UTF-8 bytes, wrong dtype, wrong shape
     assert "not valid UTF-8" in _stream_error(running_server, model,
@@ -285,3 +290,78 @@ def test_stop_frees_everything_and_restart_serves_again(running_server, referenc
     assert running_server.info.pid != old.pid and running_server.http_url == old.http_url
     assert client(running_server).generate(PROMPTS[0], **GEN).text == reference[PROMPTS[0]]
     assert client(running_server).grpc_stream(PROMPTS[0], **GEN).text == reference[PROMPTS[0]]
+
+
+def _hostile_bodies(n: int) -> list[dict]:
+    """Malformed and numerically hostile requests (JSON carries NaN/Infinity as Python's json writes them)."""
+    kinds = [{"temperature": float("nan")}, {"temperature": float("inf")}, {"temperature": 1e-40},
+             {"temperature": 3e38}, {"top_p": float("nan")}, {"top_p": 1e-30, "temperature": 1.0},
+             {"top_p": float("-inf")}, {"top_k": 2 ** 31 - 1, "temperature": 0.9}, {"max_tokens": 2 ** 31 - 1},
+             {"max_tokens": -1}, {"text_input": "z" * 70000}, {"stop_words": ["w" * 5000]},
+             {"stop_words": ["a"] * 100}, {"temperature": "warm"}, {"max_tokens": "many"}, {"text_input": 42},
+             {"seed": -1}, {"min_tokens": -3}, {"text_input": ""}, {}]
+    out = []
+    for i in range(n):
+        body = {"text_input": PROMPTS[i % len(PROMPTS)], "max_tokens": 3}
+        body.update(kinds[i % len(kinds)])
+        out.append(body)
+    return out
+
+
+def test_storm_of_hostile_requests_beside_good_ones(running_server, reference):
+    """1000 malformed / numerically hostile requests from 8 threads beside 8 threads of good ones (streaming
+    and not, with and without speculation): every good request returns its reference text, every hostile one
+    gets an answer (a refusal or a short generation), the server stays ready and no slot is leaked."""
+    import json as _json
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = running_server.http_url
+    bodies = _hostile_bodies(1000)
+    stop = threading.Event()
+    good_results: list[tuple[str, str]] = []
+    errors: list[str] = []
+
+    def hostile(chunk):
+        codes = []                  # (index into bodies, status)
+        with httpx.Client(timeout=120) as h:
+            for i in chunk:
+                b = bodies[i]
+                r = h.post(f"{url}/v2/models/{contract.SPECULATIVE_MODEL}/generate",
+                           content=_json.dumps(b), headers={"content-type": "application/json"})
+                codes.append((i, r.status_code))
+                if r.status_code == 500:
+                    errors.append(r.text[:300])
+        return codes
+
+    def good(w):
+        c = client(running_server, contract.CLIENT_MODELS[w % 2])
+        n = 0
+        while not stop.is_set() or n < 2:
+            p = PROMPTS[(w + n) % len(PROMPTS)]
+            gen = c.generate_stream(p, **GEN) if n % 2 else c.generate(p, **GEN)
+            good_results.append((p, gen.text))
+            n += 1
+
+    with ThreadPoolExecutor(16) as pool:
+        goods = [pool.submit(good, w) for w in range(8)]
+        storms = [pool.submit(hostile, range(i, len(bodies), 8)) for i in range(8)]
+        codes = [c for _, c in sorted(c for f in storms for c in f.result())]
+        stop.set()
+        for f in goods:
+            f.result()
+    # 400: refused by the frontend (or Triton: wrong shape); 500: Triton's own JSON parser refusing a
+    # wrong JSON type before the model sees it; 200: a hostile but valid request (e.g. temperature 1e-40)
+    wrong_type = [isinstance(b.get("text_input"), int) or any(isinstance(b.get(k), str) for k in
+                  ("temperature", "max_tokens")) or b.get("seed", 0) < 0 for b in bodies]
+    assert len(codes) == 1000
+    assert all(c in ((500, 400) if w else (200, 400)) for c, w in zip(codes, wrong_type)), \
+        [(c, b) for c, w, b in zip(codes, wrong_type, bodies) if c not in ((500, 400) if w else (200, 400))][:3] + \
+        sorted(set(errors))[:5]
+    assert codes.count(400) > 500
+    assert good_results and all(text == reference[p] for p, text in good_results), \
+        [p for p, t in good_results if t != reference[p]][:5]
+    assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+    m = wait_metrics(running_server, lambda m: metric(m, "specbuild_live_requests") == 0
+                     and metric(m, "specbuild_running_requests") == 0, "an idle engine after the storm")
+    assert metric(m, "specbuild_slots_free") == 16
+    assert client(running_server).generate(PROMPTS[0], **GEN).text == reference[PROMPTS[0]]

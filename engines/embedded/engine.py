@@ -14,6 +14,10 @@ Speculation controls (engine_config.json keys, also kwargs of `from_checkpoints`
   maximizes the speedup predicted from its own acceptance and the build's `calibration` (see adaptive.py).
 - `spec_max_concurrency` (default None = always on): no sequence drafts in a step where more than this many
   sequences run (TensorRT-LLM's `max_concurrency`); `bench/bench_adaptive.py` measures the crossover.
+- `max_queue_size` (default None = 4 x max_batch_size): requests waiting for a slot beyond which `submit`
+  refuses at once (EngineUnavailableError, HTTP 503); `queue_timeout_s` (default 60): a request still waiting
+  for a slot after this long is finished with an "unavailable" error. Both also engine_config.json keys and
+  Triton model parameters (deploy).
 - `acceptance_rule`: "exact" (default, lossless) or "unsafe-always-accept", a DELIBERATE FAULT that accepts
   every draft, only for showing that `specbuild verify` catches drift. Never serve with it.
 """
@@ -49,6 +53,8 @@ PROPOSERS = ("draft", "ngram")
 ENGINE_CONFIG_FILE = "engine_config.json"
 log = logging.getLogger(__name__)
 _FROM_CONFIG = object()      # from_build_dir kwarg not given: use engine_config.json
+QUEUE_PER_SLOT = 4           # default max_queue_size = QUEUE_PER_SLOT x max_batch_size
+DEFAULT_QUEUE_TIMEOUT_S = 300.0  # generous: batch clients queue behind full slots; bounded: no request hangs forever
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,12 @@ class EngineConfig:
     adaptive_k: bool = False                 # requests without K use adaptive K
     spec_max_concurrency: int | None = None  # no drafting in steps with more running sequences; None = off
     acceptance_rule: str = EXACT             # "exact" | "unsafe-always-accept" (deliberate fault, tests only)
+    max_queue_size: int | None = None        # waiting requests before refusing; None = 4 x max_batch_size
+    queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S   # longest wait for a slot; None = no limit
+
+    @property
+    def queue_limit(self) -> int:
+        return self.max_queue_size if self.max_queue_size is not None else QUEUE_PER_SLOT * self.max_batch_size
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_seq_len < 2 or self.max_draft_len < 0:
@@ -80,6 +92,14 @@ class EngineConfig:
                                                       or self.spec_max_concurrency < 0):
             raise EngineLimitError(f"spec_max_concurrency={self.spec_max_concurrency!r} must be an integer >= 0 "
                                    f"(0 = never draft) or null (draft at any concurrency).")
+        if self.max_queue_size is not None and (isinstance(self.max_queue_size, bool)
+                                                or not isinstance(self.max_queue_size, int) or self.max_queue_size < 0):
+            raise EngineLimitError(f"max_queue_size={self.max_queue_size!r} must be an integer >= 0 (0 = refuse "
+                                   f"whenever no slot is free) or null (4 x max_batch_size).")
+        if self.queue_timeout_s is not None and not (isinstance(self.queue_timeout_s, (int, float))
+                                                     and self.queue_timeout_s > 0):
+            raise EngineLimitError(f"queue_timeout_s={self.queue_timeout_s!r} must be a number of seconds > 0 "
+                                   f"or null (no limit).")
         if self.acceptance_rule not in ACCEPTANCE_RULES:
             raise EngineLimitError(f"acceptance_rule {self.acceptance_rule!r} is unknown; use one of "
                                    f"{ACCEPTANCE_RULES} (\"exact\" is the only lossless one).")
@@ -108,7 +128,8 @@ class Engine:
         self.scheduler = Scheduler(scorer=self.scorer, draft=proposer, ngram=NgramProposer(),
                                    max_batch_size=config.max_batch_size, costs=cost_models(calibration),
                                    spec_max_concurrency=config.spec_max_concurrency,
-                                   acceptance_rule=config.acceptance_rule)
+                                   acceptance_rule=config.acceptance_rule, max_waiting=config.queue_limit,
+                                   queue_timeout_s=config.queue_timeout_s)
         self.scheduler.alpha_prior = prior_alphas(calibration)
         self._ids = itertools.count()
         self._step_lock = threading.Lock()
@@ -121,7 +142,8 @@ class Engine:
     def from_checkpoints(cls, target_dir, draft_dir=None, *, max_batch_size=8, max_seq_len=1024, max_draft_len=8,
                          dtype="float32", device="cpu", draft_quantize=None, default_num_draft_tokens=4,
                          default_proposer="draft", threads=None, tokenizer_dir=None, adaptive_k=False,
-                         spec_max_concurrency=None, acceptance_rule=EXACT, calibration=None) -> "Engine":
+                         spec_max_concurrency=None, acceptance_rule=EXACT, calibration=None, max_queue_size=None,
+                         queue_timeout_s=DEFAULT_QUEUE_TIMEOUT_S) -> "Engine":
         """Load target (and draft) checkpoint dirs. Without a draft, the default proposer is n-gram.
         The tokenizer comes from `tokenizer_dir`, default the target dir. `adaptive_k`, `spec_max_concurrency`,
         `acceptance_rule`: see the module docstring; `calibration`: a `calibrate.Calibration.to_dict()`."""
@@ -150,15 +172,18 @@ class Engine:
                            default_num_draft_tokens=min(default_num_draft_tokens, max_draft_len),
                            default_proposer=default_proposer, has_draft=draft is not None, dtype=str(dtype),
                            device=str(device), eos_token_id=eos, adaptive_k=bool(adaptive_k),
-                           spec_max_concurrency=spec_max_concurrency, acceptance_rule=acceptance_rule)
+                           spec_max_concurrency=spec_max_concurrency, acceptance_rule=acceptance_rule,
+                           max_queue_size=max_queue_size, queue_timeout_s=queue_timeout_s)
         return cls(target, tok, cfg, draft, calibration=calibration)
 
     @classmethod
     def from_build_dir(cls, engine_dir, *, device=None, threads=None, adaptive_k=_FROM_CONFIG,
-                       spec_max_concurrency=_FROM_CONFIG, acceptance_rule=_FROM_CONFIG) -> "Engine":
+                       spec_max_concurrency=_FROM_CONFIG, acceptance_rule=_FROM_CONFIG, max_queue_size=_FROM_CONFIG,
+                       queue_timeout_s=_FROM_CONFIG) -> "Engine":
         """Load the output of `specbuild build --backend embedded`: `engine_config.json` names the target and
         draft dirs (relative to engine_dir), the runtime limits, the speculation controls (`adaptive_k`,
-        `spec_max_concurrency`, `acceptance_rule`; a kwarg given here wins) and the calibration."""
+        `spec_max_concurrency`, `acceptance_rule`), the admission limits (`max_queue_size`, `queue_timeout_s`)
+        (a kwarg given here wins) and the calibration."""
         engine_dir = Path(engine_dir)
         path = engine_dir / ENGINE_CONFIG_FILE
         if not path.is_file():
@@ -181,7 +206,10 @@ class Engine:
             spec_max_concurrency=(rc.get("spec_max_concurrency") if spec_max_concurrency is _FROM_CONFIG
                                   else spec_max_concurrency),
             acceptance_rule=rc.get("acceptance_rule", EXACT) if acceptance_rule is _FROM_CONFIG else acceptance_rule,
-            calibration=rc.get("calibration"))
+            calibration=rc.get("calibration"),
+            max_queue_size=rc.get("max_queue_size") if max_queue_size is _FROM_CONFIG else max_queue_size,
+            queue_timeout_s=(rc.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S) if queue_timeout_s is _FROM_CONFIG
+                             else queue_timeout_s))
 
     # ---- requests ---------------------------------------------------------------------------------
     def _make_sequence(self, prompt, params: SamplingParams, num_draft_tokens, proposer, on_output,
@@ -229,14 +257,18 @@ class Engine:
             with self.scheduler.lock:
                 prior = self.scheduler.alpha_prior[prop]
             tracker = AcceptanceTracker(prior) if k > 0 else None
-        return Sequence(rid, ids, params, k, prop, on_output, frozenset(stop_ids),
-                        IncrementalDetokenizer(self.tokenizer, ids, params.stop), SpecStats(), gen,
-                        adaptive=tracker)
+        seq = Sequence(rid, ids, params, k, prop, on_output, frozenset(stop_ids),
+                       IncrementalDetokenizer(self.tokenizer, ids, params.stop), SpecStats(), gen,
+                       adaptive=tracker)
+        # An explicit K > 0 forces speculation: the spec_max_concurrency cut-off (the build's default policy)
+        # applies to requests that leave K to the deployment (no K, or -1 = adaptive).
+        seq.forced_k = num_draft_tokens is not None and int(num_draft_tokens) > 0
+        return seq
 
     def submit(self, prompt, params: SamplingParams = SamplingParams(), *, num_draft_tokens=None, proposer=None,
                on_output: Callable[[StreamDelta], None], request_id: str | None = None) -> str:
         seq = self._make_sequence(prompt, params, num_draft_tokens, proposer, on_output, request_id)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, bounded=True)       # refused at once when max_queue_size already wait
         with self._wake:
             self._wake.notify()
         return seq.request_id
@@ -297,13 +329,16 @@ class Engine:
                         return
                 self.scheduler.step()
 
-    def shutdown(self) -> None:
-        """Stop the serving thread; requests still live are finished with reason "abort"."""
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the serving thread (it ends after the step in progress; waits at most `timeout` s for it);
+        requests still live are finished with reason "abort"."""
         if self._thread is not None:
             with self._wake:
                 self._stop = True
                 self._wake.notify_all()
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine thread did not stop within %s s (a step is still running)", timeout)
             self._thread = None
         with self.scheduler.lock:
             live = [s.request_id for s in list(self.scheduler.waiting) + list(self.scheduler.running)]
@@ -312,6 +347,17 @@ class Engine:
 
     def metrics(self) -> dict:
         return self.scheduler.metrics()
+
+    def configure(self, **changes) -> None:
+        """Replace EngineConfig fields at serve time (tuned defaults, admission limits from the Triton model
+        config); validated like the config itself. Takes effect for the next request."""
+        import dataclasses
+
+        cfg = dataclasses.replace(self.config, **changes)
+        with self.scheduler.lock:
+            self.config = cfg
+            self.scheduler.max_waiting = cfg.queue_limit
+            self.scheduler.queue_timeout_s = cfg.queue_timeout_s
 
     def update_calibration(self, calibration: dict | None) -> None:
         """Replace the measured costs adaptive K uses (e.g. re-measured under the machine's current load);

@@ -1,4 +1,9 @@
-"""Errors of the embedded engine (part of the SpecbuildError hierarchy, so the CLI maps them)."""
+"""Errors of the embedded engine (part of the SpecbuildError hierarchy, so the CLI maps them).
+
+`kind` is what a server reports: "invalid" (the client's request; HTTP 400), "unavailable" (overload:
+the waiting queue is full or the request waited too long; HTTP 503 / Triton UNAVAILABLE, retry later),
+"internal" (the engine failed on this request; the server keeps serving the others).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,21 @@ class EngineLimitError(SpecbuildError):
     num_draft_tokens > max_draft_len, ...) or uses an option the engine was not built for."""
 
     exit_code = 2
+    kind = "invalid"
+
+
+class EngineUnavailableError(SpecbuildError):
+    """The engine refuses a request for now: its waiting queue is full or the request waited past the
+    queue-time limit. Retry later (HTTP 503)."""
+
+    kind = "unavailable"
 
 
 class EngineError(SpecbuildError):
     """A request failed inside the engine (the model forward raised); the message carries the cause."""
+
+    kind = "internal"
+
+
+class SamplingError(EngineError):
+    """Sampling one sequence failed (a non-finite distribution); only that sequence is stopped."""

@@ -10,6 +10,14 @@ TensorRT-LLM's `max_concurrency`: at high batch the target is compute-bound and 
 else its adaptive choice (`adaptive.py`, from its own acceptance and the calibrated costs) or its fixed K;
 never more than max_tokens leaves room for.
 
+Containment: an exception while stepping one sequence (sampling numerics, a stop-string or detokenizer bug)
+finishes THAT sequence with reason "error" and a message naming the stage; the step goes on for the others.
+A batched stage (propose, score, accept) that raises is retried one sequence at a time, so only the
+sequences that fail alone are stopped (re-running a stage only rewrites the same KV positions).
+
+Admission limits: `add` refuses (EngineUnavailableError) when `max_waiting` requests already wait for a slot;
+a request still waiting after `queue_timeout_s` is finished with an "unavailable" error.
+
 Thread-safety: `add`/`abort` may be called from any thread; `step` runs in one thread at a time. Model
 compute runs outside the lock; a sequence aborted mid-step is skipped when the step emits. Callbacks run
 outside the engine lock, in order, one at a time (so a callback may call submit/abort); the final delta of
@@ -29,6 +37,7 @@ import torch
 from specbuild.engines.embedded.acceptor import (EXACT, UNSAFE_ALWAYS_ACCEPT, Accepted, always_accept,
                                                  greedy_accept, rejection_accept)
 from specbuild.engines.embedded.adaptive import CostModel, choose_batch_k, cost_models, prior_alphas
+from specbuild.engines.embedded.errors import EngineUnavailableError
 from specbuild.engines.embedded.kvcache import SlotAllocator
 from specbuild.engines.embedded.proposers import DraftModelProposer, NgramProposer, Proposal
 from specbuild.engines.embedded.sampling import processed_probs, sample
@@ -43,12 +52,18 @@ class Scheduler:
     def __init__(self, *, scorer: TargetScorer, draft: DraftModelProposer | None, ngram: NgramProposer,
                  max_batch_size: int, clock: Callable[[], float] = time.perf_counter,
                  costs: dict[str, CostModel] | None = None, spec_max_concurrency: int | None = None,
-                 acceptance_rule: str = EXACT):
+                 acceptance_rule: str = EXACT, max_waiting: int | None = None,
+                 queue_timeout_s: float | None = None):
         self.scorer, self.draft, self.ngram = scorer, draft, ngram
         self.costs = costs or cost_models(None)                  # proposer -> CostModel (adaptive K)
         self.alpha_prior = prior_alphas(None)                    # proposer -> alpha_hat a new sequence starts at
         self.spec_max_concurrency = spec_max_concurrency         # None = speculate at any concurrency
         self.acceptance_rule = acceptance_rule
+        self.max_waiting = max_waiting                           # None = unbounded waiting queue
+        self.queue_timeout_s = queue_timeout_s                   # None = a request may wait forever
+        self.on_step: Callable[[], None] | None = None           # called after every step (metrics push)
+        self.rejected_total = 0                                  # refused: queue full or waited too long
+        self.failed_total = 0                                    # finished with reason "error"
         self.cutoff_steps_total = 0
         self.slots = SlotAllocator(max_batch_size)
         self.waiting: deque[Sequence] = deque()
@@ -62,10 +77,17 @@ class Scheduler:
         self._deliver_lock = threading.RLock()
 
     # ---- called from any thread -------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, *, bounded: bool = False) -> None:
+        """Queue a sequence; `bounded` (serving submissions): refuse when `max_waiting` already wait."""
         with self.lock:
             if seq.request_id in self.by_id:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
+            if bounded and self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                self.rejected_total += 1
+                raise EngineUnavailableError(
+                    f"the server is busy: {len(self.waiting)} requests already wait for a batch slot "
+                    f"(max_queue_size={self.max_waiting}); retry later.")
+            seq.enqueued_at = self.clock()
             self.by_id[seq.request_id] = seq
             self.waiting.append(seq)
             self.requests_total += 1
@@ -100,9 +122,15 @@ class Scheduler:
                         self._finish(s, "error")
                         self._emit(s, [], f"engine step failed: {type(e).__name__}: {e}")
         self._deliver()
+        if self.on_step is not None:
+            try:
+                self.on_step()
+            except Exception:  # noqa: BLE001 - an observer must not stop the engine
+                log.exception("on_step observer raised")
 
     @torch.inference_mode()
     def _step(self) -> None:
+        self._expire_waiting()
         self._admit()
         with self.lock:
             seqs = [s for s in self.running if not s.finished]
@@ -114,59 +142,142 @@ class Scheduler:
         ks = [self._effective_k(s, cutoff) for s in seqs]
         self._share_adaptive_k(seqs, ks)
         t0 = self.clock()
-        proposals = self._propose(seqs, ks)
+        proposals = self._contained("propose", seqs, lambda ss, ix: self._propose(ss, [ks[i] for i in ix]))
         t1 = self.clock()
-        logits = self.scorer.score(seqs, [p.token_ids for p in proposals])
+        logits = self._contained("score", seqs, lambda ss, ix: self.scorer.score(
+            ss, [proposals[i].token_ids for i in ix]), skip=proposals)
         t2 = self.clock()
-        results = self._accept(seqs, proposals, logits)
+        results = self._contained("accept", seqs, lambda ss, ix: self._accept(
+            ss, [proposals[i] for i in ix], [logits[i] for i in ix]), skip=logits)
         t3 = self.clock()
         with self.lock:
             for s, k, p, acc in zip(seqs, ks, proposals, results):
-                if s.finished:          # aborted while the step ran
+                if s.finished or acc is None:          # aborted while the step ran, or failed alone
                     continue
                 for stage, dt in (("propose", t1 - t0), ("score", t2 - t1), ("accept", t3 - t2)):
                     s.stats.add_time(stage, dt)
                 s.stats.observe_draft(len(p.token_ids), acc.num_accepted)
-                s.stats.observe_step(len(p.token_ids), cutoff=cutoff and (s.num_draft_tokens > 0))
+                s.stats.observe_step(len(p.token_ids), cutoff=cutoff and not s.forced_k and (s.num_draft_tokens > 0))
                 if s.adaptive is not None:
                     s.adaptive.observe(len(p.token_ids), acc.num_accepted)
                 n_before = len(s.tokens)
                 if s.proposer == "draft" and k > 0:
                     s.draft_len = n_before + min(acc.num_accepted, len(p.token_ids) - 1)
                 s.target_len = n_before + acc.num_accepted       # [last, accepted drafts] are now cached
-                self._append(s, acc.output_token_ids)
+                try:
+                    self._append(s, acc.output_token_ids)
+                except Exception as e:  # noqa: BLE001 - a stop-string / detokenizer bug stops this request only
+                    self._fail(s, "output", e)
+
+    def _contained(self, stage: str, seqs: list[Sequence], fn, skip: list | None = None) -> list:
+        """Run a batched stage `fn(seqs, indices) -> [result per seq]`; if it raises, run it one sequence at a
+        time and stop (reason "error") only the sequences that fail alone. `skip`: the previous stage's
+        results (None = that sequence already failed). -> results, None where a sequence failed."""
+        idx = [i for i in range(len(seqs)) if skip is None or skip[i] is not None]
+        out: list = [None] * len(seqs)
+        if not idx:
+            return out
+        try:
+            for i, r in zip(idx, fn([seqs[i] for i in idx], idx)):
+                out[i] = r
+            return out
+        except Exception as e:  # noqa: BLE001
+            if len(idx) == 1:
+                self._fail(seqs[idx[0]], stage, e)
+                return out
+            log.warning("%s failed for a batch of %d sequences (%s: %s); retrying one at a time",
+                        stage, len(idx), type(e).__name__, e)
+        for i in idx:
+            try:
+                out[i] = fn([seqs[i]], [i])[0]
+            except Exception as e:  # noqa: BLE001
+                self._fail(seqs[i], stage, e)
+        return out
+
+    def _fail(self, s: Sequence, stage: str, e: BaseException) -> None:
+        """Stop one sequence with reason "error"; the others go on."""
+        log.warning("request %s stopped: %s failed: %s: %s", s.request_id, stage, type(e).__name__, e,
+                    exc_info=not isinstance(e, ValueError))
+        with self.lock:
+            if not s.finished:
+                self._finish(s, "error")
+                self._emit(s, [], f"{stage} failed for this request: {type(e).__name__}: {e}")
+
+    def _expire_waiting(self) -> None:
+        """Finish requests that waited past queue_timeout_s for a slot (an "unavailable" error, at once)."""
+        if self.queue_timeout_s is None:
+            return
+        now = self.clock()
+        with self.lock:
+            # a sequence with a slot is admitted and part-prefilled (chunked prefill), not waiting for one
+            late = [s for s in self.waiting if s.slot < 0 and now - s.enqueued_at > self.queue_timeout_s]
+            for s in late:
+                self.waiting.remove(s)
+                self.rejected_total += 1
+                self._finish(s, "error")
+                self._emit(s, [], f"the server is busy: the request waited {now - s.enqueued_at:.1f} s for a "
+                                  f"batch slot (queue_timeout_s={self.queue_timeout_s:g}); retry later.",
+                           kind="unavailable")
 
     def _admit(self) -> None:
-        """Move waiting requests into free slots and prefill them together (one ragged forward per model)."""
+        """Admission and prefill, under a per-step prefill token budget (chunked prefill).
+
+        Waiting requests take free slots in FIFO order. A request holding a slot stays at the head of `waiting`
+        while its prompt is fed to the target in chunks (`target_len` counts its cached positions): with
+        sequences running, one step feeds at most `prefill_token_budget` prompt tokens in all, so admitting a
+        long prompt never stalls them for more than one chunk; with none running, whole prompts. The forward
+        over a prompt's last chunk yields the first token's logits: that token is sampled (stop ids suppressed
+        before min_tokens; the request's generator), appended and streamed at once, like TensorRT-LLM's context
+        phase. Only then is the draft prefilled (`_catch_up_drafts`) and the sequence joins `running`; its first
+        speculation round is this step's. The cache invariants of sequence.py hold afterwards.
+        """
         with self.lock:
-            new: list[Sequence] = []
-            while self.waiting and self.slots.num_free:
-                seq = self.waiting.popleft()
-                seq.slot = self.slots.alloc()
-                self.running.append(seq)
-                new.append(seq)
-        if not new:
-            return
-        try:
-            t0 = self.clock()
-            self.scorer.prefill(new)
-            drafting = [s for s in new if s.proposer == "draft" and s.num_draft_tokens > 0]
-            if drafting and self.draft is not None:
-                self.draft.prefill(drafting)
-            dt = self.clock() - t0
-            for s in new:
-                s.stats.add_time("prefill", dt)
-        except Exception as e:  # noqa: BLE001 - reported to the requests, the engine keeps serving
-            log.exception("prefill failed")  # (not re-raised: step() would also fail the other requests)
+            live_running = sum(1 for s in self.running if not s.finished)
+            cands: list[Sequence] = []
+            for seq in self.waiting:
+                if seq.slot < 0:
+                    if not self.slots.num_free:
+                        break
+                    seq.slot = self.slots.alloc()
+                cands.append(seq)
+        budget = self.prefill_token_budget if live_running else None
+        chunk: list[Sequence] = []
+        ends: list[int] = []
+        for s in cands:
+            take = len(s.tokens) - s.target_len
+            if budget is not None:
+                take = min(take, budget)
+                budget -= take
+            if take <= 0:
+                break
+            chunk.append(s)
+            ends.append(s.target_len + take)
+        if chunk:
+            try:
+                t0 = self.clock()
+                logits = self.scorer.feed(chunk, ends, want_logits=True)
+                done = [i for i, s in enumerate(chunk) if s.target_len == len(s.tokens)]
+                firsts = self._first_tokens([chunk[i] for i in done], logits[done]) if done else []
+                dt = self.clock() - t0
+            except Exception as e:  # noqa: BLE001 - reported to the requests, the engine keeps serving
+                log.exception("prefill failed")  # (not re-raised: step() would also fail the other requests)
+                self._fail_prefill(chunk, f"prefill failed: {e}")
+                return
             with self.lock:
-                for seq in new:
-                    if not seq.finished:
-                        self._finish(seq, "error")
-                        self._emit(seq, [], f"prefill failed: {e}")
-            self._deliver()
+                for s in chunk:
+                    s.stats.add_time("prefill", dt)
+                for i, tok in zip(done, firsts):
+                    s = chunk[i]
+                    if s.finished:                          # aborted while its prompt was fed
+                        continue
+                    self.waiting.remove(s)
+                    self.running.append(s)
+                    self._append(s, [tok])                  # target cache 0..n-2 holds: n = prompt + 1
+            self._deliver()                                 # the first tokens go out before any drafting
+        self._catch_up_drafts()
 
     def _effective_k(self, s: Sequence, cutoff: bool) -> int:
-        if cutoff or s.num_draft_tokens <= 0:
+        if (cutoff and not s.forced_k) or s.num_draft_tokens <= 0:
             return 0
         # Never draft past max_tokens: a step emits at most K + 1 tokens.
         k = max(0, min(s.num_draft_tokens, s.params.max_tokens - s.num_generated - 1))
@@ -258,6 +369,8 @@ class Scheduler:
 
     def _finish(self, s: Sequence, reason: str) -> None:
         s.finished, s.finish_reason = True, reason
+        if reason == "error":
+            self.failed_total += 1
         if s in self.running:
             self.running.remove(s)
         if s.slot >= 0 and not s.slot_released:
@@ -270,15 +383,23 @@ class Scheduler:
         if s.adaptive is not None:
             self.alpha_prior[s.proposer] = s.adaptive.fold_into(self.alpha_prior[s.proposer])
 
-    def _emit(self, s: Sequence, token_ids: list[int], error: str | None) -> None:
+    def _emit(self, s: Sequence, token_ids: list[int], error: str | None, kind: str | None = None) -> None:
         """Queue a delta (lock held); `_deliver` calls the callbacks without the engine lock."""
-        text = s.detok.flush(s.finished)
+        try:
+            text = s.detok.flush(s.finished) if not error else ""
+        except Exception as e:  # noqa: BLE001 - a detokenizer bug: stop this request, not the engine
+            log.warning("detokenizing %s failed: %s: %s", s.request_id, type(e).__name__, e)
+            text = ""
+            if not s.finished:
+                self._finish(s, "error")
+                error = f"output failed for this request: {type(e).__name__}: {e}"
         if not token_ids and not text and not s.finished:
             return
         if error:
             s.error = error
+            kind = kind or "internal"
         self._outbox.append((s, StreamDelta(s.request_id, token_ids, text, s.finished, s.finish_reason,
-                                            s.stats if s.finished else None, error)))
+                                            s.stats if s.finished else None, error, kind)))
 
     def _deliver(self) -> None:
         """Call on_output for queued deltas in order, one at a time, outside the engine lock (a callback may
@@ -314,8 +435,67 @@ class Scheduler:
                 "drafted_per_pos": [a + b for a, b in _zip_longest(t.drafted_per_pos, live.drafted_per_pos)],
                 "running": len(self.running),
                 "waiting": len(self.waiting),
+                "slots_free": self.slots.num_free,
+                "rejected_total": self.rejected_total,
+                "failed_total": self.failed_total,
                 "spec_cutoff_steps_total": self.cutoff_steps_total,
             }
+
+    # ---- prefill helpers (used by `_admit`) -------------------------------------------------------
+    prefill_token_budget: int = 256     # prompt tokens fed per step while other sequences run (chunk size)
+
+    def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """The first generated token of each sequence from its prompt's last-position logits [B, V], exactly as
+        a plain decode step would choose it (greedy: argmax; sampling: one draw from the processed target
+        distribution with the request's generator)."""
+        from specbuild.engines.embedded.scorer import suppress_stop_ids
+
+        out = []
+        for i, s in enumerate(seqs):
+            lg = logits[i:i + 1]
+            if s.params.min_tokens and s.stop_ids:
+                lg = suppress_stop_ids(lg, 0, s.params.min_tokens, s.stop_ids)
+            if s.params.greedy:
+                out.append(int(lg.argmax(-1)[0]))
+            else:
+                out.append(int(sample(processed_probs(lg, s.params), s.generator)[0]))
+        return out
+
+    def _catch_up_drafts(self) -> None:
+        """Prefill the draft cache (positions 0..n-2) of running draft-proposer sequences whose draft has not
+        seen their prompt yet (just admitted, or admitted while cut off). Skipped in a step that is cut off: no
+        drafting then (but for requests that forced their K), so a batch above the cut-off never pays for draft
+        prefill."""
+        if self.draft is None:
+            return
+        with self.lock:
+            live = [s for s in self.running if not s.finished]
+            cutoff = self.spec_max_concurrency is not None and len(live) > self.spec_max_concurrency
+            # Only never-prefilled ones: a lag from adaptive K = 0 steps is caught up by the next draft step.
+            lag = [s for s in live if s.proposer == "draft" and s.num_draft_tokens > 0 and s.draft_len == 0
+                   and len(s.tokens) > 2 and (s.forced_k or not cutoff)]
+        if not lag:
+            return
+        try:
+            t0 = self.clock()
+            self.draft.feed(lag, [len(s.tokens) - 1 for s in lag])
+            dt = self.clock() - t0
+            with self.lock:
+                for s in lag:
+                    s.stats.add_time("prefill", dt)
+        except Exception as e:  # noqa: BLE001 - reported to the requests, the engine keeps serving
+            log.exception("draft prefill failed")
+            self._fail_prefill(lag, f"draft prefill failed: {e}")
+
+    def _fail_prefill(self, seqs: list[Sequence], error: str) -> None:
+        with self.lock:
+            for seq in seqs:
+                if seq in self.waiting:
+                    self.waiting.remove(seq)
+                if not seq.finished:
+                    self._finish(seq, "error")
+                    self._emit(seq, [], error)
+        self._deliver()
 
 
 def _zip_longest(a: list[int], b: list[int]):

@@ -29,6 +29,7 @@ class StreamDelta:
     finish_reason: str | None       # "stop" | "length" | "abort" | "error"
     stats: SpecStats | None         # set on the finishing delta
     error: str | None = None
+    error_kind: str | None = None   # with error: "internal" (engine failed on it) | "unavailable" (overload)
 
 
 @dataclass
@@ -63,6 +64,8 @@ class Sequence:
     final_sent: bool = False
     error: str | None = None
     adaptive: AcceptanceTracker | None = None   # set = adaptive K (num_draft_tokens=-1 or the engine default)
+    forced_k: bool = False          # the request sent its own K > 0: drafts even above spec_max_concurrency
+    enqueued_at: float = 0.0                    # scheduler clock when it joined the waiting queue
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)

@@ -9,6 +9,10 @@ request is aborted in the engine (a second, tiny request to `tensorrt_llm` with 
 
 stream=false: exactly one response (flagged final), so HTTP /generate works although the model is
 decoupled. stream=true: one response per piece, then a flag-only final response.
+
+The request lifecycle itself (validation, admission, registry, outputs) is `engines/embedded/frontend.py`
+inside `tensorrt_llm`; this model only forwards and turns a client's cancellation into an abort. Errors
+keep their Triton code (INVALID_ARG 400, UNAVAILABLE 503 for overload).
 """
 
 import json
@@ -45,7 +49,8 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.live = {}  # key -> response sender
         self.stop_event = threading.Event()
-        threading.Thread(target=self._watch, name=f"{self.name}-watchdog", daemon=True).start()
+        self.watchdog = threading.Thread(target=self._watch, name=f"{self.name}-watchdog", daemon=True)
+        self.watchdog.start()
 
     def execute(self, requests):
         for request in requests:
@@ -84,8 +89,7 @@ class TritonPythonModel:
                 if final_sent:
                     continue  # drain the iterator
                 if resp.has_error():
-                    finish(pb_utils.InferenceResponse(output_tensors=[],
-                                                      error=pb_utils.TritonError(resp.error().message())))
+                    finish(pb_utils.InferenceResponse(output_tensors=[], error=_same_error(resp.error())))
                     continue
                 outputs = resp.output_tensors()
                 if not outputs:
@@ -138,3 +142,12 @@ class TritonPythonModel:
 
     def finalize(self):
         self.stop_event.set()
+        self.watchdog.join(timeout=2)
+
+
+def _same_error(err):
+    """The engine model's error with its code kept (INVALID_ARG, UNAVAILABLE, ...)."""
+    try:
+        return pb_utils.TritonError(err.message(), err.code())
+    except Exception:
+        return pb_utils.TritonError(err.message())
