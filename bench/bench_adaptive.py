@@ -1,7 +1,7 @@
 """Adaptive K vs fixed K vs off on mixed traffic, and the concurrency where drafting stops paying.
 
-On SmolLM2-135M-Instruct (fp32, CPU) with the int8 self-draft (`Engine.from_checkpoints(target, target,
-draft_quantize="int8")`) and the n-gram proposer, in one process:
+On SmolLM2-135M-Instruct (fp32, CPU) with the int8 self-draft (the demo engine, built by bench_engine's
+recipe: `build --draft-quantize int8`) and the n-gram proposer, in one process:
 
   step costs      target step, target verify over K+1 positions, int8 draft step (calibrate.forward_probe,
                   interleaved medians) -> the `calibration` adaptive K reads (as `build` would record it);
@@ -11,14 +11,14 @@ draft_quantize="int8")`) and the n-gram proposer, in one process:
                   batch 1 (one request after another) and batch 4 (all four together, generate_batch);
                   off, fixed K in {1, 2, 4, 6} and adaptive (num_draft_tokens=-1), for the draft and n-gram;
                   tok/s = generated tokens / wall time of the whole mix
-  crossover       draft speedup (K=4 vs off, tok/s) at 1, 2, 4, 8 concurrent sequences; the crossover
-                  concurrency is the lowest batch size with speedup < 1.0 (-> `spec_max_concurrency`)
+  policy          the served default on the same mix: adaptive K with the build's measured spec_max_concurrency
+                  (the crossover `build` writes; draft speedup by concurrency is in bench_engine's throughput)
 
 Every cell is measured --runs times, round-robin (one pass over all cells per run, so load bursts from
 other processes hit every cell alike); figures are medians. Writes --out (JSON) and prints a table.
 
-    .venv/bin/python bench/bench_adaptive.py --quick        # 3 runs x 12 tokens: ~4.5 min on the 2-core box
-    .venv/bin/python bench/bench_adaptive.py                # 3 runs x 32 tokens: ~4 min per run when quiet
+    .venv/bin/python bench/bench_adaptive.py --quick        # 2 runs x 12 tokens, 96-token prompts
+    .venv/bin/python bench/bench_adaptive.py                # 3 runs x 16 tokens, 128-token prompts
 """
 
 from __future__ import annotations
@@ -34,20 +34,24 @@ from pathlib import Path
 import torch
 
 from specbuild.engines.embedded import Engine, SamplingParams
-from specbuild.engines.embedded.adaptive import ADAPTIVE_K, cost_models, crossover_concurrency
+from specbuild.engines.embedded.adaptive import ADAPTIVE_K, cost_models
 from specbuild.engines.embedded.calibrate import forward_probe, time_interleaved
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
-from specbuild.pipeline.sources import resolve
+from specbuild.pipeline.sources import cache_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import engine_dir  # noqa: E402  (the same build recipe and workspace)
 
 MODEL = "demo:smollm2-135m-instruct"
 FIXED_K = (1, 2, 4, 6)
 MAX_DRAFT_LEN = 8
-CROSSOVER_K = 4
-CROSSOVER_BATCHES = (1, 2, 4, 8)
+
+
+_T0 = time.time()
 
 
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(f"[{time.time() - _T0:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def mixed_prompts(tokenizer, prompt_tokens: int) -> list[list[int]]:
@@ -95,35 +99,39 @@ def settings() -> list[tuple[str, int, str]]:
     out = [("off", 0, "draft")]
     for prop in ("draft", "ngram"):
         out += [(f"{prop}-k{k}", k, prop) for k in FIXED_K] + [(f"{prop}-adaptive", ADAPTIVE_K, prop)]
-    return out
+    return out + [(POLICY, ADAPTIVE_K, "draft")]
+
+
+POLICY = "draft-policy"       # the served default: adaptive K with the build's measured spec_max_concurrency
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="measurements per cell; medians (default 3)")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    ap.add_argument("--prompt-tokens", type=int, default=192, help="prompt tail kept (default 192)")
-    ap.add_argument("--quick", action="store_true", help="short version: 3 runs x 12 tokens, 128-token prompts")
+    ap.add_argument("--tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt tail kept (default 128)")
+    ap.add_argument("--workdir", default=None, help="build workspace (default: $SPECBUILD_CACHE/bench-work)")
+    ap.add_argument("--quick", action="store_true", help="short version: 2 runs x 12 tokens, 96-token prompts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--out", default="bench/results/adaptive.json", help="JSON output (default %(default)s)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.runs, args.tokens, args.prompt_tokens = max(args.runs, 3), 12, 128
+        args.runs, args.tokens, args.prompt_tokens = 2, 12, 96
     if args.runs < 1:
         ap.error("--runs must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     load_before = os.getloadavg()
-    model_dir = resolve(MODEL, progress=log).path
-    log("loading target + int8 self-draft")
-    engine = Engine.from_checkpoints(model_dir, model_dir, draft_quantize="int8", max_batch_size=8,
-                                     max_seq_len=1024, max_draft_len=MAX_DRAFT_LEN)
+    log("the demo engine (bench_engine's recipe: build --draft-quantize int8; a no-op when up to date)")
+    edir = engine_dir(Path(args.workdir) if args.workdir else cache_dir() / "bench-work")
+    # Fixed K and adaptive K are measured without the cut-off; the policy cell sets the build's one.
+    engine = Engine.from_build_dir(edir, adaptive_k=False, spec_max_concurrency=None)
+    policy_cutoff = json.loads((edir / "engine_config.json").read_text()).get("spec_max_concurrency")
+    log(f"build's spec_max_concurrency: {policy_cutoff}")
     prompts = mixed_prompts(engine.tokenizer, args.prompt_tokens)
     run_mix(engine, prompts[:1], batch=1, k=2, proposer="draft", tokens=4)            # warm-up
     cells = {(f"batch{b}", name): (b, k, prop) for b in (1, 4) for name, k, prop in settings()}
-    cells.update({(f"crossover{b}", name): (b, k, "draft") for b in CROSSOVER_BATCHES
-                  for name, k in (("off", 0), (f"draft-k{CROSSOVER_K}", CROSSOVER_K)) if b not in (1, 4)})
     raw: dict = {}
     calibrations = []
     for r in range(args.runs):
@@ -135,11 +143,14 @@ def main(argv=None) -> int:
             f"c = {calibration['cost_ratio']:.2f}, v(4) = {v4:.2f}")
         for (group, name), (b, k, prop) in cells.items():
             ps = prompts if group.startswith("batch") else [prompts[i % len(prompts)] for i in range(b)]
+            engine.scheduler.spec_max_concurrency = policy_cutoff if name == POLICY else None
             res = run_mix(engine, ps, batch=b, k=k, proposer=prop, tokens=args.tokens)
+            engine.scheduler.spec_max_concurrency = None
             raw.setdefault(group, {}).setdefault(name, []).append(res)
             log(f"run {r + 1}/{args.runs} {group:11s} {name:15s} {res['tok_s']:6.2f} tok/s "
                 f"k_counts={res['k_counts']}")
     result = summarize(raw, args, calibrations)
+    result["policy_spec_max_concurrency"] = policy_cutoff
     result.update(seconds=time.perf_counter() - t_start, load_avg_before=load_before, load_avg_after=os.getloadavg(),
                   threads=torch.get_num_threads(), cpu_count=os.cpu_count())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -166,20 +177,18 @@ def summarize(raw: dict, args, calibrations: list[dict]) -> dict:
             verdict[prop] = {"best_fixed": best, "best_fixed_tok_s": fixed[best], "adaptive_tok_s": ad,
                              "adaptive_vs_best_fixed": ad / fixed[best], "adaptive_ge_best_fixed": ad >= fixed[best],
                              "best_incl_off": max({**fixed, "off": med[g]["off"]}.items(), key=lambda kv: kv[1])[0]}
+        fixed = {f"draft-k{k}": med[g][f"draft-k{k}"] for k in FIXED_K}
+        best = max(fixed, key=fixed.get)
+        ratios = [p["tok_s"] / f["tok_s"] for p, f in zip(raw[g][POLICY], raw[g][best])]
+        verdict["policy"] = {"best_fixed": best, "policy_tok_s": med[g][POLICY],
+                             "policy_vs_best_fixed": statistics.median(ratios),
+                             "policy_vs_off": statistics.median(p["tok_s"] / o["tok_s"]
+                                                                for p, o in zip(raw[g][POLICY], raw[g]["off"]))}
         mix[g] = {"settings": rows, "verdict": verdict}
-    speedup = {}
-    for b in CROSSOVER_BATCHES:
-        g = f"batch{b}" if b in (1, 4) else f"crossover{b}"
-        speedup[b] = med[g][f"draft-k{CROSSOVER_K}"] / med[g]["off"]
-    crossover = crossover_concurrency(speedup)
     return {"model": MODEL, "draft": "SmolLM2-135M-Instruct int8 self-draft (weight-only int8 copy of the target)",
             "runs": args.runs, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens, "quick": args.quick,
             "prompts": ["chat", "code", "summarization", "chat"], "calibrations": calibrations,
-            "cost_models": [{p: vars(m) for p, m in cost_models(c).items()} for c in calibrations], "mix": mix,
-            "crossover": {"k": CROSSOVER_K, "draft_speedup_by_batch": {str(b): s for b, s in speedup.items()},
-                          "crossover_concurrency": crossover,
-                          "note": "lowest batch size with draft speedup < 1.0; set spec_max_concurrency to one below"
-                                  " (None when speculation paid at every measured batch size)"}}
+            "cost_models": [{p: vars(m) for p, m in cost_models(c).items()} for c in calibrations], "mix": mix}
 
 
 def print_table(res: dict) -> None:
@@ -191,13 +200,16 @@ def print_table(res: dict) -> None:
         print(f"{n:16s} {a['tok_s_median']:9.2f} {a['speedup_vs_off']:6.2f} {b['tok_s_median']:9.2f} "
               f"{b['speedup_vs_off']:6.2f}")
     for g in ("batch1", "batch4"):
+        v = res["mix"][g]["verdict"]["policy"]
+        print(f"{g} served policy (adaptive, spec_max_concurrency={res['policy_spec_max_concurrency']}): "
+              f"{v['policy_tok_s']:.2f} tok/s = {v['policy_vs_best_fixed']:.2f}x best fixed {v['best_fixed']}, "
+              f"{v['policy_vs_off']:.2f}x off")
         for prop, v in res["mix"][g]["verdict"].items():
+            if prop == "policy":
+                continue
             print(f"{g} {prop}: adaptive {v['adaptive_tok_s']:.2f} vs best fixed {v['best_fixed']} "
                   f"{v['best_fixed_tok_s']:.2f} -> {v['adaptive_vs_best_fixed']:.2f}x "
                   f"({'>=' if v['adaptive_ge_best_fixed'] else '<'} best fixed)")
-    c = res["crossover"]
-    print("draft speedup (K=%d) by batch: %s; crossover concurrency: %s" % (
-        c["k"], ", ".join(f"{b}: {s:.2f}" for b, s in c["draft_speedup_by_batch"].items()), c["crossover_concurrency"]))
 
 
 if __name__ == "__main__":

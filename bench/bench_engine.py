@@ -39,8 +39,12 @@ KINDS = ("chat", "code", "summ")
 PROMPT_TOKENS = 256        # prompts keep their last 256 tokens: prefill stays a small part of each request
 
 
+_T0 = time.time()
+
+
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """Progress on stderr, with the seconds since the bench started."""
+    print(f"[{time.time() - _T0:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def median(xs):
@@ -122,21 +126,69 @@ def latency_runs(engine: Engine, hf_target, hf_draft, ids: dict, *, tokens: int,
     return out
 
 
-def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_ngram: int) -> dict:
-    """Total tok/s with n concurrent sequences (continuous batching), interleaved over modes and n per run."""
+BATCHES = (1, 2, 4, 8)
+
+
+def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_ngram: int) -> tuple[dict, dict]:
+    """Total tok/s with n concurrent sequences (continuous batching, speculation forced: no cut-off), interleaved
+    over modes and n per run. -> (medians of end-to-end tok/s, per-n detail: decode-only tok/s (after the first
+    token: every sequence starts at the same prefill), per-run draft/off ratios and the draft's per-position
+    acceptance)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     pool = list(ids.values())
     modes = {"off": (0, None), "draft": (k, "draft"), "ngram": (k_ngram, "ngram")}
-    samples: dict = {m: {n: [] for n in (1, 2, 4, 8)} for m in modes}
+    samples: dict = {m: {n: [] for n in BATCHES} for m in modes}
+    decode: dict = {m: {n: [] for n in BATCHES} for m in modes}
+    acc: dict = {n: ([], []) for n in BATCHES}
     for run in range(runs):
-        for n in (1, 2, 4, 8):
+        for n in BATCHES:
             for mode, (kk, proposer) in modes.items():
                 reqs = [(pool[i % len(pool)], params, kk) for i in range(n)]
                 t0 = time.perf_counter()
                 res = engine.generate_batch(reqs, proposer=proposer)
                 samples[mode][n].append(sum(len(r.token_ids) for r in res) / (time.perf_counter() - t0))
-            log(f"run {run + 1}/{runs} x{n}: " + ", ".join(f"{m} {samples[m][n][-1]:.2f}" for m in modes) + " tok/s")
-    return {m: {n: median(v) for n, v in row.items()} for m, row in samples.items()}
+                span = max(r.stats.last_token_time for r in res) - max(r.stats.first_token_time for r in res)
+                decode[mode][n].append(sum(len(r.token_ids) - 1 for r in res) / span if span > 0 else None)
+                if mode == "draft":
+                    for r in res:
+                        _add(acc[n][0], r.stats.accepted_per_pos)
+                        _add(acc[n][1], r.stats.drafted_per_pos)
+            log(f"throughput run {run + 1}/{runs} x{n}: " + ", ".join(f"{m} {samples[m][n][-1]:.2f}" for m in modes)
+                + " tok/s")
+    detail = {n: {"decode_tok_s": {m: median(decode[m][n]) for m in modes},
+                  "draft_decode_speedup": median([d / o for d, o in zip(decode["draft"][n], decode["off"][n])
+                                                  if d and o]),
+                  "draft_speedup": median([d / o for d, o in zip(samples["draft"][n], samples["off"][n])]),
+                  "alpha": estimate_alpha(*acc[n]) if acc[n][1] else None} for n in BATCHES}
+    return {m: {n: median(v) for n, v in row.items()} for m, row in samples.items()}, detail
+
+
+def _add(acc: list[int], values) -> None:
+    for i, v in enumerate(values):
+        if i >= len(acc):
+            acc.append(0)
+        acc[i] += int(v)
+
+
+def efficiency_by_concurrency(engine: Engine, detail: dict, *, k: int, context: int, runs: int) -> dict:
+    """Speculation efficiency per concurrency n: the measured decode speedup (draft K vs off) / the speedup
+    predicted from the measured alpha at n and the step costs measured at n rows (target step, verify over
+    K+1 positions, draft step; interleaved medians)."""
+    out = {}
+    for n in BATCHES:
+        probes = {"target": forward_probe(engine.target, new_tokens=1, context=context, batch=n),
+                  "verify": forward_probe(engine.target, new_tokens=k + 1, context=context, batch=n),
+                  "draft": forward_probe(engine.draft, new_tokens=1, context=context, batch=n)}
+        t = time_interleaved(probes, reps=max(5, runs), warmup=1)
+        alpha = detail[n]["alpha"]
+        pred = predicted_speedup(alpha, k, t_target=t["target"], t_draft=t["draft"], t_verify=t["verify"])
+        meas = detail[n]["draft_decode_speedup"]
+        out[n] = {"alpha": alpha, "t_target_s": t["target"], "t_verify_s": t["verify"], "t_draft_s": t["draft"],
+                  "cost_ratio": t["draft"] / t["target"], "verify_ratio": t["verify"] / t["target"],
+                  "predicted_speedup": pred, "measured_decode_speedup": meas,
+                  "efficiency": meas / pred if meas and pred else None}
+        log(f"efficiency x{n}: measured {meas:.2f}x / predicted {pred:.2f}x = {out[n]['efficiency']:.2f}")
+    return out
 
 
 def step_costs(engine: Engine, k: int, runs: int) -> dict:
@@ -150,14 +202,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/engine.json", help="JSON output (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=None, help="runs per prompt and mode (default: 3; --quick: 2)")
-    ap.add_argument("--tokens", type=int, default=None, help="new tokens per request (default: 128; --quick: 48)")
+    ap.add_argument("--tokens", type=int, default=None, help="new tokens per request (default: 48; --quick: 32)")
     ap.add_argument("--quick", action="store_true", help="fewer runs and tokens (a few minutes)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--workdir", default=None, help="build workspace (default: $SPECBUILD_CACHE/bench-work)")
     ap.add_argument("--k-ngram", type=int, default=4, help="K for the n-gram proposer (default: %(default)s)")
     args = ap.parse_args(argv)
     runs = args.runs or (2 if args.quick else 3)
-    tokens = args.tokens or (48 if args.quick else 128)
+    tokens = args.tokens or (32 if args.quick else 48)
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -168,6 +220,7 @@ def main(argv=None) -> int:
     cal = cfg.get("calibration") or {}
     k = cfg["default_num_draft_tokens"] or 4
     engine = Engine.from_build_dir(edir, threads=args.threads)
+    engine.scheduler.spec_max_concurrency = None          # this bench forces K at every concurrency
     ids = prompts(engine.tokenizer)
     log("memory bandwidth")
     bw = bandwidth_gbs(runs)
@@ -175,7 +228,9 @@ def main(argv=None) -> int:
     hf_target, hf_draft = hf_models(Path(resolve(MODEL).path), k)
     lat = latency_runs(engine, hf_target, hf_draft, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
     costs = step_costs(engine, k, runs)
-    thr = throughput(engine, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
+    thr, thr_detail = throughput(engine, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
+    log("step costs by concurrency (speculation efficiency)")
+    eff = efficiency_by_concurrency(engine, thr_detail, k=k, context=PROMPT_TOKENS + tokens // 2, runs=runs)
 
     def med(method: str, key: str = "tok_s", kinds=KINDS):
         return median([x for kind in kinds for x in lat[method][kind][key]])
@@ -209,6 +264,7 @@ def main(argv=None) -> int:
         "throughput_tok_s": thr, "throughput_ratio_8_vs_1": thr["off"][8] / thr["off"][1],
         "demo_draft_speedup_batch1": thr["draft"][1] / thr["off"][1],
         "demo_draft_speedup_batch8": thr["draft"][8] / thr["off"][8],
+        "throughput_detail": thr_detail, "spec_efficiency_by_concurrency": eff,
         "build_calibration": cal, "per_prompt": lat,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -244,6 +300,11 @@ def print_table(r: dict) -> None:
     print("  throughput tok/s   " + "  ".join(f"x{n}" .rjust(8) for n in (1, 2, 4, 8)))
     for mode, row in thr.items():
         print(f"    {mode:<16}" + "  ".join(f"{row[n]:8.2f}" for n in (1, 2, 4, 8)))
+    eff = r["spec_efficiency_by_concurrency"]
+    print("  spec efficiency    " + "  ".join(f"{(eff[n]['efficiency'] or 0):8.2f}" for n in (1, 2, 4, 8))
+          + "   (measured decode speedup / predicted from alpha, c(n), verify(n))")
+    print("    predicted        " + "  ".join(f"{eff[n]['predicted_speedup']:8.2f}" for n in (1, 2, 4, 8)))
+    print("    measured         " + "  ".join(f"{(eff[n]['measured_decode_speedup'] or 0):8.2f}" for n in (1, 2, 4, 8)))
 
 
 if __name__ == "__main__":

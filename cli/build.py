@@ -45,17 +45,22 @@ def _stderr(msg: str) -> None:
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Pipeline-parallel size (trtllm only).")
 @click.option("--container-tag", default=None, help="TensorRT-LLM Triton container tag (trtllm only).")
-@click.option("--adaptive-k", is_flag=True, default=False,
+@click.option("--adaptive-k/--fixed-k", default=None,
               help="Requests without num_draft_tokens get adaptive K: each sequence picks K each step from its "
-                   "own acceptance and the calibrated costs (embedded only; requests may also send -1).")
+                   "own acceptance and the calibrated costs (requests may also send -1); --fixed-k: the default "
+                   "K. Default: adaptive when calibrated without --num-draft-tokens (embedded only).")
 @click.option("--spec-max-concurrency", type=click.IntRange(min=1), default=None,
-              help="Draft only while at most this many sequences run (like TensorRT-LLM's max_concurrency); "
-                   "default: always (embedded only).")
+              help="Draft only while at most this many sequences run (like TensorRT-LLM's max_concurrency). "
+                   "Default: the crossover build measures (embedded; always draft without calibration).")
+@click.option("--crossover/--no-crossover", default=True, show_default=True,
+              help="Measure where speculation stops paying (speedup vs plain decoding at rising concurrency, "
+                   "a few seconds) and make it the default --spec-max-concurrency (embedded, with calibration).")
 @dry_run_option
 @force_option
 def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, num_draft_tokens, proposer,
                   draft_quantize, dtype, device, threads, calibrate, trtllm_version, max_input_len, max_num_tokens,
-                  use_draft_logits, tp, pp, container_tag, adaptive_k, spec_max_concurrency, dry_run, force):
+                  use_draft_logits, tp, pp, container_tag, adaptive_k, spec_max_concurrency, crossover, dry_run,
+                  force):
     """Build WORKDIR/engines/ from the converted checkpoints in WORKDIR/checkpoints/.
 
     The embedded backend writes the engine directory, runs a smoke generation
@@ -71,13 +76,20 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
       specbuild build --draft-quantize int8 --adaptive-k --spec-max-concurrency 3
       specbuild build --backend trtllm --max-draft-len 4 --dry-run
     """
+    if backend == "trtllm":  # flags left at their (embedded) defaults: what convert recorded, else trtllm's defaults
+        from specbuild.engines.trtllm.common import cli_defaults
+        ctx, fallback = click.get_current_context(), cli_defaults(workdir, "build")
+        unset = {k for k in fallback if ctx.get_parameter_source(k) is click.core.ParameterSource.DEFAULT}
+        dtype, tp, pp = (fallback[k] if k in unset else v for k, v in (("dtype", dtype), ("tp", tp), ("pp", pp)))
+        max_seq_len, max_batch_size, max_draft_len = (fallback[k] if k in unset else v for k, v in (
+            ("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size), ("max_draft_len", max_draft_len)))
     result = build(workdir=workdir, backend=backend, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                    max_draft_len=max_draft_len, dtype=dtype, device=device, threads=threads,
                    draft_quantize=draft_quantize, calibrate=calibrate, proposer=proposer,
                    num_draft_tokens=num_draft_tokens, force=force, dry_run=dry_run, trtllm_version=trtllm_version,
                    max_input_len=max_input_len, max_num_tokens=max_num_tokens, use_draft_logits=use_draft_logits,
                    tp=tp, pp=pp, container_tag=container_tag, adaptive_k=adaptive_k,
-                   spec_max_concurrency=spec_max_concurrency, progress=_stderr)
+                   spec_max_concurrency=spec_max_concurrency, crossover=crossover, progress=_stderr)
     if result.plan is not None:
         click.echo("\n".join(step.render() for step in result.plan))
         return
@@ -89,5 +101,16 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
         click.echo(f"  calibration ({cal['proposer']}): alpha={cal['alpha']:.2f} c={cal['cost_ratio']:.2f} "
                    f"t_target={cal['t_target_s'] * 1e3:.1f}ms t_draft={cal['t_draft_s'] * 1e3:.1f}ms "
                    f"-> K={k} (predicted {cal['predicted_speedup'][str(k)]:.2f}x)")
+        for prop, x in (cal.get("crossover") or {}).items():
+            curve = ", ".join(f"{s:.2f}x@{b}" for b, s in x["speedup_by_batch"].items())
+            smc = x["spec_max_concurrency"]
+            cut = ("draft at any concurrency" if smc is None else "never draft" if smc == 0
+                   else f"draft while <= {smc} sequences run")
+            click.echo(f"  crossover ({prop}, K={x['k']}): {curve} -> {cut} ({x['seconds']:.1f}s)")
         for note in cal.get("notes", []):
             _stderr(f"note: {note}")
+    eng = result.manifest.get("outputs", {}).get("engine") or {}
+    if "adaptive_k" in eng:
+        smc = eng.get("spec_max_concurrency")
+        click.echo(f"  default policy: {'adaptive K' if eng['adaptive_k'] else 'K=' + str(eng['default_num_draft_tokens'])}"
+                   f", spec_max_concurrency={'none (always draft)' if smc is None else smc}")

@@ -90,7 +90,7 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
           proposer: str = "draft", num_draft_tokens: int | None = None, force: bool = False, dry_run: bool = False,
           trtllm_version: str | None = None, max_input_len: int | None = None, max_num_tokens: int | None = None,
           use_draft_logits: bool = False, tp: int = 1, pp: int = 1, container_tag: str | None = None,
-          adaptive_k: bool = False, spec_max_concurrency: int | None = None,
+          adaptive_k: bool | None = None, spec_max_concurrency: int | None = None, crossover: bool = True,
           progress: Callable[[str], None] | None = None) -> BuildResult:
     """Build `<workdir>/engines/` from `<workdir>/checkpoints/` with the chosen backend.
 
@@ -98,6 +98,9 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
     draft as int8 weight-only (with a draft == target checkpoint this is the demo "int8 self-draft").
     `adaptive_k` lets each sequence choose its K from its own acceptance (requests may also send
     num_draft_tokens=-1); `spec_max_concurrency` switches drafting off while more sequences run.
+    Defaults (embedded, calibrated): adaptive K unless `num_draft_tokens` fixes one, and `spec_max_concurrency`
+    = the measured crossover cut-off (`crossover=True`: build times speculation against plain decoding at
+    rising concurrency, see `calibrate.measure_crossover`; an explicit `spec_max_concurrency` skips that).
     """
     if spec_max_concurrency is not None and spec_max_concurrency < 1:
         raise UsageError(f"--spec-max-concurrency {spec_max_concurrency} must be >= 1 (leave it unset for "
@@ -110,8 +113,10 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
         "dtype": dtype, "device": device, "threads": threads, "draft_quantize": draft_quantize,
         "calibrate": calibrate, "proposer": proposer, "num_draft_tokens": num_draft_tokens,
     }
-    if adaptive_k:                      # only when set, so existing builds keep their fingerprint
-        options["adaptive_k"] = True
+    if adaptive_k is not None:          # only when set, so the default policy keeps one fingerprint
+        options["adaptive_k"] = bool(adaptive_k)
+    if not crossover:
+        options["crossover"] = False
     if spec_max_concurrency is not None:
         options["spec_max_concurrency"] = spec_max_concurrency
     if backend == "trtllm":

@@ -114,7 +114,8 @@ def test_int8_self_draft_loads_and_generates(self_draft_workdir):
     assert (out / "draft" / "model.int8.safetensors").is_file()
     assert not (out / "draft" / "model.safetensors").exists()
     assert result.manifest["outputs"]["draft"]["quantized_linears"] > 0
-    engine = Engine.from_build_dir(out)
+    # (the measured cut-off of a tiny model may be 0 = never draft; this test is about the int8 draft itself)
+    engine = Engine.from_build_dir(out, spec_max_concurrency=None)
     assert engine.config.has_draft and engine.config.default_num_draft_tokens == cfg["default_num_draft_tokens"]
     assert any(isinstance(m, Int8Linear) for m in engine.draft.modules())
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -180,3 +181,45 @@ def test_cli_build_noop_dry_run_and_errors(pair_workdir):
     assert bad.exit_code == 2 and "--max-draft-len" in bad.output
     missing = runner.invoke(cli, ["build", "--workdir", str(wd / "nowhere")])
     assert missing.exit_code == 1 and "specbuild convert" in missing.output
+
+
+# ---- the default policy: adaptive K below the measured crossover, no drafting above -------------------------
+
+def test_cutoff_from_speedups():
+    from specbuild.engines.embedded.calibrate import crossover_batches, cutoff_from_speedups
+
+    assert cutoff_from_speedups({1: 1.5, 2: 1.2, 3: 1.05, 4: 0.9}, 8) == (4, 3)
+    assert cutoff_from_speedups({1: 1.4, 2: 1.1}, 2) == (None, None)
+    assert cutoff_from_speedups({1: 1.3, 2: 1.1}, 8) == (None, 2)          # measuring stopped early
+    assert cutoff_from_speedups({1: 0.8}, 8) == (1, 0)
+    assert crossover_batches(8) == [1, 2, 3, 4, 6, 8] and crossover_batches(5) == [1, 2, 3, 4, 5]
+    assert crossover_batches(1) == [1]
+
+
+def test_build_measures_the_crossover_and_makes_it_the_default_policy(pair_workdir):
+    _, result = pair_workdir
+    cfg = result.manifest["outputs"]["engine"]       # (a later test rebuilds the directory)
+    cross = result.calibration["crossover"]
+    assert set(cross) == {"draft", "ngram"}
+    for x in cross.values():
+        assert x["k"] == "adaptive" and x["reps"] >= 1 and x["seconds"] > 0
+        measured = {int(b): s for b, s in x["speedup_by_batch"].items()}
+        assert measured and min(measured) == 1 and max(measured) <= SMALL["max_batch_size"]
+        assert all(s >= 0 for s in measured.values())
+        assert x["spec_max_concurrency"] is None or 0 <= x["spec_max_concurrency"] <= SMALL["max_batch_size"]
+        if x["crossover"] is not None:
+            assert measured[x["crossover"]] < 1.0 and x["spec_max_concurrency"] == x["crossover"] - 1 or \
+                x["spec_max_concurrency"] < x["crossover"]
+    assert cfg["adaptive_k"] is True
+    assert cfg["spec_max_concurrency"] == cross["draft"]["spec_max_concurrency"]
+
+
+def test_explicit_options_win_over_the_measured_policy(tmp_path, tiny_llama, tiny_llama_draft):
+    convert(tiny_llama, tiny_llama_draft, workdir=tmp_path)
+    fixed = build(workdir=tmp_path, **SMALL, num_draft_tokens=2, spec_max_concurrency=1)
+    cfg = json.loads((tmp_path / "engines" / "engine_config.json").read_text())
+    assert cfg["adaptive_k"] is False and cfg["spec_max_concurrency"] == 1 and cfg["default_num_draft_tokens"] == 2
+    assert "crossover" not in fixed.calibration                 # an explicit cut-off is not measured
+    off = build(workdir=tmp_path, **SMALL, crossover=False, force=True)
+    cfg = json.loads((tmp_path / "engines" / "engine_config.json").read_text())
+    assert "crossover" not in off.calibration and cfg["spec_max_concurrency"] is None and cfg["adaptive_k"] is True

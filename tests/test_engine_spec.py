@@ -184,32 +184,50 @@ def test_seeded_sampling_is_reproducible(eng):
     assert len(others) > 1
 
 
-def test_sampled_first_token_follows_processed_target_distribution(tiny_llama, tiny_llama_draft):
-    """Chi-square (false-alarm rate 1e-3) of the first token under speculation (unrelated draft, K=3,
-    temperature 2, top-k 6) against the target's processed distribution computed independently."""
+def _chi2_pvalue(counts: torch.Tensor, p: torch.Tensor, support: list[int]) -> float:
+    n = counts.sum()
+    exp = p[support] * n
+    stat = ((counts[support] - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(support) - 1) / 2.0), stat / 2.0))
+
+
+def test_sampled_tokens_follow_processed_target_distribution(tiny_llama, tiny_llama_draft):
+    """Chi-square (false-alarm rate 1e-3 each) against the target's processed distribution computed
+    independently (unrelated draft, K=3, temperature 2, top-k 6): the first token (sampled at prefill), and the
+    second given the most common first (sampled by the first speculation round, which drafted K = 3)."""
     eng = Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=16, max_seq_len=32)
-    params = dict(max_tokens=4, temperature=2.0, top_k=6, ignore_eos=True)
+    params = dict(max_tokens=5, temperature=2.0, top_k=6, ignore_eos=True)
     ids = eng.tokenizer.encode(PROMPTS[0])
     from specbuild.engines.embedded.kvcache import KVCache
 
     c = eng.target.cfg
-    cache = KVCache(num_layers=c.num_layers, num_slots=1, kv_heads=c.num_kv_heads, max_seq=32,
-                    head_dim=c.head_dim, dtype=torch.float32, device="cpu")
-    p = processed_probs(ragged_forward(eng.target, cache, [0], [0], [ids], "last"),
-                        SamplingParams(**params))[0]
+
+    def target_probs(prefix):
+        cache = KVCache(num_layers=c.num_layers, num_slots=1, kv_heads=c.num_kv_heads, max_seq=32,
+                        head_dim=c.head_dim, dtype=torch.float32, device="cpu")
+        return processed_probs(ragged_forward(eng.target, cache, [0], [0], [prefix], "last"),
+                               SamplingParams(**params))[0]
+
+    p = target_probs(ids)
     support = torch.nonzero(p).flatten().tolist()
     assert len(support) == 6
     n = 400
     outs = eng.generate_batch([(ids, SamplingParams(**params, seed=s), 3) for s in range(n)])
-    assert all(o.stats.drafted_per_pos[2] >= 1 for o in outs)          # the first step drafted K = 3
+    assert all(o.stats.drafted_per_pos[2] >= 1 for o in outs)          # the first round drafted K = 3
     counts = torch.zeros(len(p))
     for o in outs:
         counts[o.token_ids[0]] += 1
     assert counts.sum() == counts[support].sum()            # never outside top-k
-    exp = p[support] * n
-    stat = ((counts[support] - exp) ** 2 / exp).sum()
-    pval = float(torch.special.gammaincc(torch.tensor((len(support) - 1) / 2.0), stat / 2.0))
-    assert pval > 1e-3
+    assert _chi2_pvalue(counts, p, support) > 1e-3
+    first = int(counts.argmax())
+    p2 = target_probs(ids + [first])
+    support2 = torch.nonzero(p2).flatten().tolist()
+    counts2 = torch.zeros(len(p2))
+    for o in outs:
+        if o.token_ids[0] == first:
+            counts2[o.token_ids[1]] += 1
+    assert counts2.sum() >= 40 and counts2.sum() == counts2[support2].sum()
+    assert _chi2_pvalue(counts2, p2, support2) > 1e-3
 
 
 # ---- the real model (slow) ----------------------------------------------------------------------------

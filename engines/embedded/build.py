@@ -76,6 +76,19 @@ def _engine_config(opts: dict[str, Any], *, has_draft: bool, default_k: int, cal
     }
 
 
+def _policy(opts: dict[str, Any], calibration: dict | None) -> tuple[bool, int | None]:
+    """(adaptive_k, spec_max_concurrency) the deployment serves with by default. Explicit options win. Else,
+    with a calibration: adaptive K unless a fixed --num-draft-tokens was given, and the measured cut-off of
+    the default proposer (no drafting above the concurrency where it stopped paying)."""
+    adaptive = opts.get("adaptive_k")
+    if adaptive is None:
+        adaptive = calibration is not None and opts["num_draft_tokens"] is None
+    smc = opts.get("spec_max_concurrency")
+    if smc is None and calibration is not None:
+        smc = ((calibration.get("crossover") or {}).get(opts["proposer"]) or {}).get("spec_max_concurrency")
+    return bool(adaptive), smc
+
+
 def _write_target(src: Path, dst: Path, dtype: str) -> dict:
     """Copy the converted target (recasting when the build dtype differs from the checkpoint's)."""
     from specbuild.engines.embedded.weights import read_config
@@ -136,6 +149,33 @@ def _smoke(engine, *, has_draft: bool, proposer: str) -> dict:
             "text": plain.text, "speculative_equal": True, "proposer": spec_proposer}
 
 
+def _crossover(engine, opts: dict[str, Any], *, has_draft: bool, default_k: int, calibration: dict,
+               progress) -> dict:
+    """Per proposer (the draft when there is one, n-gram always): the measured speedup at each concurrency and
+    the cut-off (`calibrate.measure_crossover`), with the policy requests get by default (adaptive K, or the
+    default K when a fixed one was asked for) and the measured costs."""
+    from specbuild.engines.embedded.calibrate import measure_crossover
+
+    engine.update_calibration(calibration)
+    adaptive = opts.get("adaptive_k")
+    adaptive = opts["num_draft_tokens"] is None if adaptive is None else adaptive
+    out = {}
+    for proposer in (("draft",) if has_draft else ()) + ("ngram",):
+        k = -1 if adaptive else (default_k if proposer == opts["proposer"] else min(4, opts["max_draft_len"]))
+        if k == 0:
+            continue
+        out[proposer] = x = measure_crossover(engine, proposer=proposer, k=k,
+                                              max_batch_size=opts["max_batch_size"], budget_s=15.0,
+                                              progress=progress)
+        load, cpus = x["load_avg"][0], x["cpu_count"] or 1
+        if load is not None and load > cpus:
+            calibration.setdefault("notes", []).append(
+                f"the machine was busy while the {proposer} crossover was measured (load average {load:.1f} on "
+                f"{cpus} cores): the cut-off reflects that load; re-run `specbuild build --force` on a quiet "
+                f"machine, or set --spec-max-concurrency.")
+    return out
+
+
 def run(ctx: StageContext) -> StageResult:
     opts = ctx.options
     target_src, draft_src = _checkpoint_dirs(ctx)
@@ -187,17 +227,24 @@ def run(ctx: StageContext) -> StageResult:
             calibration = cal.to_dict()
             if opts["num_draft_tokens"] is None:
                 default_k = cal.recommended_k
+            if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:
+                step("calibrating the crossover concurrency (speculation vs plain decoding)")
+                calibration["crossover"] = _crossover(engine, opts, has_draft=has_draft, default_k=default_k,
+                                                      calibration=calibration, progress=ctx.progress)
             checks.append({"name": "calibration", "ok": True, "alpha": cal.alpha, "cost_ratio": cal.cost_ratio,
                            "recommended_k": cal.recommended_k,
                            "predicted_speedup": cal.predicted_speedup[cal.recommended_k]})
             bar.update()
-        engine_cfg = _engine_config(opts, has_draft=has_draft, default_k=default_k, calibration=calibration)
+        adaptive, smc = _policy(opts, calibration)
+        engine_cfg = _engine_config({**opts, "adaptive_k": adaptive, "spec_max_concurrency": smc},
+                                    has_draft=has_draft, default_k=default_k, calibration=calibration)
         (out / ENGINE_JSON).write_text(json.dumps(engine_cfg, indent=2) + "\n")
     finally:
         bar.close()
     outputs["engine"] = {k: engine_cfg[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype",
                                                     "device", "threads", "default_num_draft_tokens",
-                                                    "default_proposer", "draft_quantize")}
+                                                    "default_proposer", "draft_quantize", "adaptive_k",
+                                                    "spec_max_concurrency")}
     return StageResult(outputs=outputs, checks=checks, extra={"calibration": calibration} if calibration else {})
 
 

@@ -24,6 +24,7 @@ is still the best K (speculation can be switched off per request with num_draft_
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -88,21 +89,23 @@ def estimate_alpha(accepted_per_pos: list[int], drafted_per_pos: list[int]) -> f
     return successes / trials if trials else 0.0
 
 
-def forward_probe(model, *, new_tokens: int, context: int) -> Callable[[], None]:
-    """A closure running one batch-1 forward of ``model`` over ``new_tokens`` positions after ``context`` cached
-    ones, on the engine's own KV cache and batch metadata (exactly what the scorer/proposer run)."""
+def forward_probe(model, *, new_tokens: int, context: int, batch: int = 1) -> Callable[[], None]:
+    """A closure running one forward of ``model`` over ``new_tokens`` positions after ``context`` cached ones, for
+    ``batch`` rows (sequences in slots 0..batch-1), on the engine's own KV cache and batch metadata (exactly what
+    the scorer/proposer run)."""
     from specbuild.engines.embedded.kvcache import KVCache
     from specbuild.engines.embedded.model import BatchMeta
 
     cfg = model.cfg
     device = model.embed.weight.device
     dtype = model.embed.weight.dtype
-    cache = KVCache(num_layers=cfg.num_layers, num_slots=1, kv_heads=cfg.num_kv_heads,
+    cache = KVCache(num_layers=cfg.num_layers, num_slots=batch, kv_heads=cfg.num_kv_heads,
                     max_seq=context + new_tokens, head_dim=cfg.head_dim, dtype=dtype, device=device)
-    tokens = torch.randint(0, cfg.vocab_size, (1, new_tokens), device=device)
-    positions = torch.arange(context, context + new_tokens, device=device)[None, :]   # [1, T]
+    tokens = torch.randint(0, cfg.vocab_size, (batch, new_tokens), device=device)
+    positions = torch.arange(context, context + new_tokens, device=device)[None, :].repeat(batch, 1)   # [B, T]
     valid = torch.ones_like(positions, dtype=torch.bool)
-    meta = BatchMeta([0], positions, valid, cache.scratch_slot, device, attn_len=context + new_tokens)
+    meta = BatchMeta(list(range(batch)), positions, valid, cache.scratch_slot, device,
+                     attn_len=context + new_tokens)
 
     def step() -> None:
         with torch.inference_mode():
@@ -237,3 +240,109 @@ def calibrate(engine, target_model, draft_model, *, proposer: str, max_draft_len
                        alpha_by_kind=by_kind, acceptance_rate=rate, calibration_k=calib_k,
                        predicted_speedup=table, recommended_k=k_best, worth_speculating=table[k_best] > 1.0,
                        seconds=time.perf_counter() - t0, notes=notes)
+
+
+# ---- the crossover concurrency: where speculation stops paying ---------------------------------------------
+
+CROSSOVER_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def crossover_batches(max_batch_size: int) -> list[int]:
+    """The concurrencies measured: 1, 2, 3, 4, 6, 8, ... up to max_batch_size (always included)."""
+    out = [b for b in CROSSOVER_BATCHES if b < max_batch_size]
+    return out + [max_batch_size]
+
+
+def cutoff_from_speedups(speedup: dict[int, float], max_batch_size: int) -> tuple[int | None, int | None]:
+    """(crossover, spec_max_concurrency) from measured speedups by concurrency. The crossover is the lowest
+    concurrency where speculation was slower than plain decoding; the cut-off is the largest measured one
+    below it (0: it never paid), or None when it paid at every concurrency up to max_batch_size.
+
+    Example: {1: 1.5, 2: 1.2, 3: 1.05, 4: 0.9}, 8 -> (4, 3); {1: 1.4, 2: 1.1}, 2 -> (None, None);
+    {1: 1.3, 2: 1.1} (measuring stopped early), 8 -> (None, 2); {1: 0.8}, 8 -> (1, 0).
+    """
+    crossover = next((b for b in sorted(speedup) if speedup[b] < 1.0), None)
+    if crossover is None and speedup and max(speedup) >= max_batch_size:
+        return None, None
+    paid = [b for b in sorted(speedup) if crossover is None or b < crossover]
+    return crossover, (max(paid) if paid else 0)
+
+
+def _decode_rate(engine, prompts: list[list[int]], *, k: int, proposer: str | None, steps: int,
+                 max_tokens: int) -> float:
+    """Output tok/s of len(prompts) sequences decoding together: the engine's own scheduler steps, timed after
+    the step that admits them (prefill, first token, draft prefill), for `steps` steps; then aborted."""
+    from specbuild.engines.embedded import SamplingParams
+
+    sched = engine.scheduler
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rids = [engine.submit(p, params, num_draft_tokens=k, proposer=proposer, on_output=lambda d: None)
+            for p in prompts]
+    seqs = [sched.by_id[r] for r in rids]
+    try:
+        sched.step()
+        n0 = sum(s.num_generated for s in seqs)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            if all(s.finished for s in seqs):
+                break
+            sched.step()
+        dt = time.perf_counter() - t0
+        return (sum(s.num_generated for s in seqs) - n0) / dt if dt > 0 else 0.0
+    finally:
+        for r in rids:
+            sched.abort(r)
+
+
+def measure_crossover(engine, *, proposer: str, k: int, max_batch_size: int, steps: int = 8, reps: int = 2,
+                      confirm_reps: int = 3, prompt_tokens: int = 32, budget_s: float = 20.0,
+                      progress: Callable[[str], None] | None = None) -> dict:
+    """Measured speedup of speculation (K = `k`, -1 = adaptive) over plain decoding at each concurrency of
+    `crossover_batches`, on the engine itself (continuous batching, greedy, built-in prompts).
+
+    Each concurrency is measured `reps` times, off and on back to back (the ratio of each pair, then the
+    median, so a load burst on a shared machine hits both alike); a median below 1.0 is re-measured with
+    `confirm_reps` more pairs before it counts (one noisy pair must not switch speculation off). Measuring
+    stops at the first concurrency
+    where speculation is slower (the crossover), or when `budget_s` is spent. -> {"speedup_by_batch": {b: x},
+    "crossover": first b with x < 1 (None: it paid at every measured b), "spec_max_concurrency": the largest
+    b below the crossover (0: it never paid; None: it paid everywhere measured), "k", "steps", "reps",
+    "measured_up_to", "seconds"}.
+    """
+    t_start = time.perf_counter()
+    load_before = _load_avg()
+    say = progress or (lambda msg: None)
+    tok = engine.tokenizer
+    pool: list[list[int]] = []
+    for kind, texts in CALIBRATION_PROMPTS.items():
+        for text in texts:
+            text = _as_chat(tok, text) if kind == "chat" else text
+            pool.append(tok.encode(text, add_special_tokens=kind != "chat")[-prompt_tokens:])
+    max_tokens = max(2, min(steps * (engine.config.max_draft_len + 1) + 2,
+                            engine.config.max_seq_len - max(len(p) for p in pool)))
+    speedup: dict[int, float] = {}
+    for b in crossover_batches(max_batch_size):
+        prompts = [pool[i % len(pool)] for i in range(b)]
+        ratios: list[float] = []
+        for rep in range(reps + confirm_reps):
+            if rep == reps and statistics.median(ratios) >= 1.0:
+                break                        # a loss is confirmed with `confirm_reps` more pairs, a gain is not
+            off = _decode_rate(engine, prompts, k=0, proposer=None, steps=steps, max_tokens=max_tokens)
+            on = _decode_rate(engine, prompts, k=k, proposer=proposer, steps=steps, max_tokens=max_tokens)
+            ratios.append(on / off if off > 0 else 0.0)
+        speedup[b] = statistics.median(ratios)
+        say(f"calibration crossover ({proposer}): {speedup[b]:.2f}x at concurrency {b}")
+        if speedup[b] < 1.0 or time.perf_counter() - t_start > budget_s:
+            break
+    crossover, cutoff = cutoff_from_speedups(speedup, max_batch_size)
+    return {"speedup_by_batch": {str(b): x for b, x in speedup.items()}, "crossover": crossover,
+            "spec_max_concurrency": cutoff, "k": "adaptive" if k < 0 else k, "steps": steps, "reps": reps,
+            "measured_up_to": max(speedup), "seconds": time.perf_counter() - t_start,
+            "load_avg": [load_before, _load_avg()], "cpu_count": os.cpu_count()}
+
+
+def _load_avg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:          # not on every platform
+        return None

@@ -1,0 +1,227 @@
+"""`make bench`: the served policy (the build's defaults) against speculation off and forced K, side by side.
+
+On the demo engine (`specbuild build --draft-quantize int8 --max-batch-size 8` of SmolLM2-135M-Instruct: the
+int8 self-draft, calibrated K, adaptive K below the measured crossover, no drafting above it), served by the
+engine's own serving thread (`Engine.start` + `submit` with a streaming callback, as the Triton model runs it):
+
+  chat    U = 1, 2, 4 closed-loop streaming users (each sends its next chat prompt, through the chat template, when
+          the previous answer is complete; user i starts i * 0.15 s after the first); TTFT = submit -> first
+          streamed token, e2e = submit -> final delta
+  batch   32 requests at once into the 8 slots (continuous batching); output tok/s over the whole batch
+  modes   off (num_draft_tokens=0), default (no K sent: the deployment's policy), forced (K = the build's
+          default K sent explicitly)
+
+Every cell runs every mode back to back within one run (so a load burst on the shared machine hits all modes
+alike); ratios (off / mode for TTFT and e2e, mode / off for tok/s) are taken per run, then the median over
+--runs runs. Writes --out (JSON) and prints a table.
+
+    .venv/bin/python bench/bench_served.py --quick --out bench/results/served.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import engine_dir, log  # noqa: E402  (the same build recipe and workspace)
+
+from specbuild.engines.embedded import Engine, SamplingParams  # noqa: E402
+from specbuild.loadtests.promptsets import chat_prompts  # noqa: E402
+from specbuild.pipeline.sources import cache_dir  # noqa: E402
+
+MODES = ("off", "default", "forced")
+CHAT_USERS = (1, 2, 4)
+BATCH_USERS = 32
+
+
+def chat_ids(tokenizer) -> list[list[int]]:
+    out = []
+    for text in chat_prompts():
+        t = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                          add_generation_prompt=True)
+        out.append(tokenizer.encode(t, add_special_tokens=False)[-192:])
+    return out
+
+
+def mode_k(mode: str, forced_k: int):
+    return {"off": 0, "default": None, "forced": forced_k}[mode]
+
+
+def one_request(engine: Engine, prompt, params, k) -> dict:
+    done = threading.Event()
+    rec = {"first": None, "tokens": 0, "drafted": 0, "accepted": 0}
+    t0 = time.perf_counter()
+
+    def on_output(d):
+        if d.token_ids and rec["first"] is None:
+            rec["first"] = time.perf_counter()
+        rec["tokens"] += len(d.token_ids)
+        if d.finished:
+            if d.stats is not None:
+                rec["drafted"], rec["accepted"] = d.stats.num_draft_tokens, d.stats.num_accepted_tokens
+            rec["end"] = time.perf_counter()
+            done.set()
+
+    engine.submit(prompt, params, num_draft_tokens=k, on_output=on_output)
+    done.wait()
+    return {"ttft": rec["first"] - t0, "e2e": rec["end"] - t0, "tokens": rec["tokens"], "drafted": rec["drafted"],
+            "accepted": rec["accepted"]}
+
+
+def chat_cell(engine: Engine, prompts, *, users: int, per_user: int, tokens: int, k) -> dict:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def user(i: int) -> None:
+        time.sleep(0.15 * i)
+        for j in range(per_user):
+            r = one_request(engine, prompts[(i * per_user + j) % len(prompts)], params, k)
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"ttft": statistics.median(r["ttft"] for r in results), "e2e": statistics.median(r["e2e"] for r in results),
+            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results)}
+
+
+def batch_cell(engine: Engine, prompts, *, users: int, tokens: int, k) -> dict:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    results: list[dict] = []
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+
+    def one(i: int) -> None:
+        r = one_request(engine, prompts[i % len(prompts)], params, k)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"tok_s": sum(r["tokens"] for r in results) / wall, "drafted": sum(r["drafted"] for r in results),
+            "ttft": statistics.median(r["ttft"] for r in results)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/served.json", help="JSON output (default: %(default)s)")
+    ap.add_argument("--runs", type=int, default=None, help="runs (default 3; --quick 2)")
+    ap.add_argument("--tokens", type=int, default=None, help="chat output tokens (default 48; --quick 32)")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="batch output tokens (default 24; --quick 16)")
+    ap.add_argument("--quick", action="store_true", help="fewer runs and tokens")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    ap.add_argument("--workdir", default=None, help="build workspace (default: $SPECBUILD_CACHE/bench-work)")
+    args = ap.parse_args(argv)
+    runs = args.runs or (2 if args.quick else 3)
+    tokens = args.tokens or (32 if args.quick else 48)
+    btokens = args.batch_tokens or (16 if args.quick else 24)
+    per_user = 2
+    t_start = time.time()
+    load_before = os.getloadavg()
+    edir = engine_dir(Path(args.workdir) if args.workdir else cache_dir() / "bench-work")
+    cfg = json.loads((edir / "engine_config.json").read_text())
+    forced_k = cfg["default_num_draft_tokens"] or 4
+    engine = Engine.from_build_dir(edir, threads=args.threads)
+    policy = {"adaptive_k": engine.config.adaptive_k, "spec_max_concurrency": engine.config.spec_max_concurrency,
+              "default_num_draft_tokens": engine.config.default_num_draft_tokens, "forced_k": forced_k,
+              "crossover": (cfg.get("calibration") or {}).get("crossover")}
+    log(f"policy: {policy}")
+    prompts = chat_ids(engine.tokenizer)
+    engine.start()
+    try:
+        one_request(engine, prompts[0], SamplingParams(max_tokens=4, ignore_eos=True), 2)     # warm-up
+        raw: dict = {f"chat{u}": {m: [] for m in MODES} for u in CHAT_USERS}
+        raw["batch"] = {m: [] for m in MODES}
+        cells = len(CHAT_USERS) + 1
+        for r in range(runs):
+            for i, u in enumerate(CHAT_USERS):
+                for m in MODES:
+                    res = chat_cell(engine, prompts, users=u, per_user=per_user, tokens=tokens, k=mode_k(m, forced_k))
+                    raw[f"chat{u}"][m].append(res)
+                log(f"run {r + 1}/{runs} cell {i + 1}/{cells} chat x{u}: " + ", ".join(
+                    f"{m} ttft {raw[f'chat{u}'][m][-1]['ttft'] * 1e3:.0f} ms e2e {raw[f'chat{u}'][m][-1]['e2e']:.2f} s"
+                    for m in MODES))
+            for m in MODES:
+                raw["batch"][m].append(batch_cell(engine, prompts, users=BATCH_USERS, tokens=btokens,
+                                                  k=mode_k(m, forced_k)))
+            log(f"run {r + 1}/{runs} cell {cells}/{cells} batch x{BATCH_USERS}: "
+                + ", ".join(f"{m} {raw['batch'][m][-1]['tok_s']:.1f} tok/s" for m in MODES))
+    finally:
+        engine.shutdown()
+    result = summarize(raw, runs)
+    result.update(model="demo:smollm2-135m-instruct", draft="int8 self-draft", policy=policy, runs=runs,
+                  chat_tokens=tokens, batch_tokens=btokens, chat_requests_per_user=per_user,
+                  batch_users=BATCH_USERS, max_batch_size=engine.config.max_batch_size,
+                  threads=torch.get_num_threads(), cpu_count=os.cpu_count(), load_avg_before=load_before,
+                  load_avg_after=os.getloadavg(), seconds=time.time() - t_start, raw=raw)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    return 0
+
+
+def summarize(raw: dict, runs: int) -> dict:
+    def med(xs):
+        return statistics.median(xs)
+
+    chat = {}
+    for u in CHAT_USERS:
+        cell = raw[f"chat{u}"]
+        row = {}
+        for m in MODES:
+            row[m] = {"ttft_s": med(x["ttft"] for x in cell[m]), "e2e_s": med(x["e2e"] for x in cell[m]),
+                      "drafted": sum(x["drafted"] for x in cell[m]),
+                      "ttft_vs_off": med(o["ttft"] / x["ttft"] for o, x in zip(cell["off"], cell[m])),
+                      "e2e_vs_off": med(o["e2e"] / x["e2e"] for o, x in zip(cell["off"], cell[m]))}
+        chat[str(u)] = row
+    b = raw["batch"]
+    batch = {m: {"tok_s": med(x["tok_s"] for x in b[m]), "drafted": sum(x["drafted"] for x in b[m]),
+                 "ttft_s": med(x["ttft"] for x in b[m]),
+                 "tok_s_vs_off": med(x["tok_s"] / o["tok_s"] for o, x in zip(b["off"], b[m]))} for m in MODES}
+    goals = {
+        "chat_ttft_ge_0.95x_off": {u: chat[u]["default"]["ttft_vs_off"] for u in chat},
+        "chat_e2e_ge_1.5x_off": {u: chat[u]["default"]["e2e_vs_off"] for u in chat},
+        "batch_tok_s_ge_0.95x_off": batch["default"]["tok_s_vs_off"],
+    }
+    met = {"chat_ttft": all(v >= 0.95 for v in goals["chat_ttft_ge_0.95x_off"].values()),
+           "chat_e2e": all(v >= 1.5 for v in goals["chat_e2e_ge_1.5x_off"].values()),
+           "batch_tok_s": goals["batch_tok_s_ge_0.95x_off"] >= 0.95}
+    return {"chat": chat, "batch": batch, "goals": goals, "goals_met": met}
+
+
+def print_table(r: dict) -> None:
+    p = r["policy"]
+    print(f"served policy: adaptive_k={p['adaptive_k']} spec_max_concurrency={p['spec_max_concurrency']} "
+          f"(forced K={p['forced_k']}); medians of {r['runs']} runs, chat {r['chat_tokens']} tokens, "
+          f"batch {r['batch_users']} x {r['batch_tokens']} tokens into {r['max_batch_size']} slots; "
+          f"load {r['load_avg_before'][0]:.1f} -> {r['load_avg_after'][0]:.1f}")
+    print(f"  {'profile':10s} {'mode':8s} {'TTFT ms':>8s} {'x off':>6s} {'e2e s':>7s} {'x off':>6s} {'drafted':>8s}")
+    for u, row in r["chat"].items():
+        for m, x in row.items():
+            print(f"  {'chat x' + u:10s} {m:8s} {x['ttft_s'] * 1e3:8.0f} {x['ttft_vs_off']:6.2f} {x['e2e_s']:7.2f} "
+                  f"{x['e2e_vs_off']:6.2f} {x['drafted']:8d}")
+    for m, x in r["batch"].items():
+        print(f"  {'batch x32':10s} {m:8s} {x['tok_s']:8.1f} tok/s {x['tok_s_vs_off']:5.2f}x off  drafted {x['drafted']}")
+    print(f"  goals met: {r['goals_met']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
