@@ -50,7 +50,8 @@ def parse_settings(items: tuple[str, ...] | list[str]) -> list[tuple[str, dict[s
     """`["off:num_draft_tokens=0", "ngram:num_draft_tokens=4,proposer=ngram"]` -> named request-field sets.
 
     The first setting is the baseline of the gain table (one setting: just that configuration, measured).
-    Names must be distinct; each needs >= 1 field.
+    Names must be distinct; each needs >= 1 field, or the word `default`: no field sent, the deployment's own
+    policy (e.g. `policy:default` — the engine's default K, adaptive K and speculation cut-off).
     """
     out: list[tuple[str, dict[str, Any]]] = []
     for item in items:
@@ -59,6 +60,9 @@ def parse_settings(items: tuple[str, ...] | list[str]) -> list[tuple[str, dict[s
             raise UsageError(f"--setting {item!r} must look like NAME:FIELD=VALUE[,FIELD=VALUE...] "
                              "(e.g. ngram:num_draft_tokens=4,proposer=ngram).")
         fields: dict[str, Any] = {}
+        if m.group(2).strip().lower() == "default":
+            out.append((m.group(1), fields))
+            continue
         for pair in m.group(2).split(","):
             key, sep, value = pair.partition("=")
             if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()) or not value.strip():

@@ -2,7 +2,7 @@
 # The end-to-end demo, offline, on 2 CPU cores (about 15 minutes):
 #   SmolLM2-135M-Instruct (target) + its int8 weight-only copy (the demo draft)
 #   convert -> build (calibrate K) -> deploy -> serve -> infer -> verify -> loadtest chat & batch
-#   with speculation off / draft / n-gram -> report -> stop.
+#   with speculation off / the default policy / forced draft / forced n-gram -> report -> stop.
 set -euo pipefail
 WORKDIR="${1:-specbuild-work}"
 SB="${SPECBUILD:-.venv/bin/specbuild}"
@@ -35,14 +35,14 @@ step "6/8 one streamed request with speculation"
 step "7/8 verify: greedy identical with and without speculation; sampled distribution unchanged"
 "$SB" verify -k 4 --max-tokens 32 --seeds 100 --positions 3
 
-step "8/8 load tests: chat and batch, speculation off / int8 draft / n-gram"
+step "8/8 load tests: chat and batch; speculation off / the deployment's default policy / forced draft K=4 / forced n-gram"
 # Each run lasts at least DEMO_DURATION s and until its profile's min_requests completed (ceiling
 # max(4 x duration, duration + 60) s; a slower setting is reported "too slow to measure here").
 # The report is written whatever happens; show it, then exit with loadtest's status.
 loadtest_status=0
 "$SB" loadtest --profile chat --profile batch \
-  --setting off:num_draft_tokens=0 --setting draft:num_draft_tokens=4,proposer=draft \
-  --setting ngram:num_draft_tokens=4,proposer=ngram \
+  --setting off:num_draft_tokens=0 --setting policy:default \
+  --setting draft:num_draft_tokens=4,proposer=draft --setting ngram:num_draft_tokens=4,proposer=ngram \
   --duration "$DEMO_DURATION" --max-tokens 64 --out "$WORKDIR/report" || loadtest_status=$?
 
 step "done: report in $WORKDIR/report/report.md"

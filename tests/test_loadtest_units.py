@@ -228,6 +228,9 @@ def test_parse_settings_names_and_fields():
         with pytest.raises(UsageError):
             parse_settings(bad)
     assert parse_settings(["draft:num_draft_tokens=4"]) == [("draft", {"num_draft_tokens": 4})]   # one config
+    # `default`: send no field, measure the deployment's own policy (default K, adaptive K, cut-off)
+    assert parse_settings(["off:num_draft_tokens=0", "policy:default"]) == [("off", {"num_draft_tokens": 0}),
+                                                                              ("policy", {})]
 
 
 def test_chat_template_wraps_prompts_and_fixed_output_sets_min_tokens(tiny_tokenizer):
