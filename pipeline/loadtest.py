@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from specbuild.loadtests.profiles import load_profiles
 from specbuild.loadtests.report import overall_status  # noqa: F401  (public API)
 from specbuild.loadtests.settings import parse_compare, parse_settings  # noqa: F401  (public API)
+from specbuild.pipeline.client import deployment_target
 from specbuild.pipeline.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
 from specbuild.pipeline.errors import SpecbuildError, UsageError
 from specbuild.pipeline.manifest import Manifest, stage_output, write_manifest
@@ -184,6 +185,7 @@ class Session:
     stop_timeout: float = 5.0
     seed: int = 0
     progress_bar: bool = False
+    target: str = "embedded"                # client.deployment_target: "embedded" | "trtllm-<family>"
     _prompts: dict[str, tuple[list[str], list[int]]] = field(default_factory=dict)
 
     def prompts(self, profile) -> tuple[list[str], list[int]]:
@@ -198,8 +200,27 @@ class Session:
         return self._prompts[profile.name]
 
     def payload(self, profile, fields: dict[str, Any]) -> dict[str, Any]:
-        """The request fields of a run: the profile's, then the setting's, less what the model lacks."""
-        return {**_payload(profile, {}, self.dropped), **fields}
+        """The request fields of a run: the profile's, then the setting's, less what the model lacks; for a
+        TensorRT-LLM deployment, in its release's names (`client.adapt_request`)."""
+        body = {**_payload(profile, {}, self.dropped), **fields}
+        if self.target == "embedded":
+            return body
+        from specbuild.pipeline.client import RequestError, adapt_request
+
+        full = {**_payload(profile, {}, []), **fields}       # seed/min_tokens exist under other names there
+        try:
+            adapted, echoed = adapt_request(self.target, self.model, {"text_input": "", **full})
+        except RequestError as e:
+            raise UsageError(f"profile {profile.name!r}, setting {fields}: {e}") from None
+        if echoed:
+            raise UsageError(
+                f"profile {profile.name!r}, setting {fields}: on {self.target} the speculative path of "
+                f"{self.model} answers stream=false with the prompt echoed in text_output (upstream's BLS), so "
+                "the load test cannot time tokens or count them; measure that deployment with "
+                "num_draft_tokens=0 here, and speculation with `specbuild verify` or GenAI-Perf's non-streaming "
+                "mode.")
+        adapted.pop("text_input")
+        return adapted
 
 
 def open_session(*, url: str, model: str, tokenizer: str | None, workdir: Path, inputs: list[str] = (),
@@ -221,7 +242,8 @@ def open_session(*, url: str, model: str, tokenizer: str | None, workdir: Path, 
     return Session(url=url, grpc_url=grpc_url, metrics_url=metrics_url, model=model, protocol=protocol,
                    counter=counter, info=info, dropped=sorted(n for n in OPTIONAL_INPUTS if n not in info.inputs),
                    gates=gates or Gates(), max_seq_len=deployment_max_seq_len(Path(workdir)), workers=workers,
-                   stop_timeout=stop_timeout, seed=seed, progress_bar=progress_bar)
+                   stop_timeout=stop_timeout, seed=seed, progress_bar=progress_bar,
+                   target=deployment_target(Path(workdir)))
 
 
 def smoke(session: Session, profile, fields: dict[str, Any]) -> None:

@@ -47,3 +47,25 @@ def test_deployment_target_from_the_deploy_manifest(tmp_path):
     assert deployment_target(tmp_path) == "embedded"
     m.write_text(json.dumps({"options": {"backend": "trtllm"}, "extra": {"recipe": {"backend_family": "0.19"}}}))
     assert deployment_target(tmp_path) == "trtllm-0.19"
+
+
+def test_loadtest_payload_speaks_the_release_or_refuses_with_the_reason(tiny_tokenizer):
+    from specbuild.loadtests.profiles import load_profiles
+    from specbuild.loadtests.runspec import Gates
+    from specbuild.pipeline.errors import UsageError
+    from specbuild.pipeline.loadtest import Session
+
+    batch, chat = load_profiles(("batch", "chat"))
+
+    def session(target, model):
+        return Session(url="http://127.0.0.1:1", grpc_url="127.0.0.1:2", metrics_url=None, model=model,
+                       protocol="http", counter=None, info=None, dropped=[], gates=Gates(), target=target)
+
+    plain = session("embedded", "tensorrt_llm_bls").payload(batch, {"num_draft_tokens": 4})
+    assert plain["min_tokens"] == batch.max_tokens and plain["num_draft_tokens"] == 4
+    off = session("trtllm-0.18", "tensorrt_llm_bls").payload(batch, {"num_draft_tokens": 0})
+    assert off["min_length"] == batch.max_tokens and "min_tokens" not in off and "return_perf_metrics" not in off
+    with pytest.raises(UsageError, match="prompt echoed"):
+        session("trtllm-0.18", "tensorrt_llm_bls").payload(batch, {"num_draft_tokens": 4})
+    with pytest.raises(UsageError, match="cannot stream with speculation"):
+        session("trtllm-0.19", "tensorrt_llm_bls").payload(chat, {"num_draft_tokens": 4})
