@@ -24,5 +24,5 @@ def test_draft_and_ngram_proposers_are_lossless_and_report_their_drafts(bls):
 
 
 def test_unknown_proposer_is_refused(bls):
-    with pytest.raises(RequestError, match="proposer must be 'draft' or 'ngram'"):
+    with pytest.raises(RequestError, match=r"proposer 'medusa' is unknown; use one of \('draft', 'ngram'\)"):
         bls.generate(PROMPT, proposer="medusa", max_tokens=4, num_draft_tokens=2)
