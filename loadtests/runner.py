@@ -117,7 +117,10 @@ def run_cell(spec: RunSpec, *, profile: str, setting: str, run_dir: Path, users:
                         duration_s=time.monotonic() - t0, interrupted=interrupted, timed_out=timed_out,
                         log_tail=_tail(logs[0]))
     _collect(result, Path(spec.samples_dir), csv_prefix)
-    if not interrupted and not result.locust_stats and not result.samples:
+    # Nothing completed but the stop rule ended the run at its ceiling: the setting is too slow to measure
+    # here (reported as such with what was seen), not a failure of the harness.
+    too_slow = result.stop.get("reason") == "too slow to measure here"
+    if not interrupted and not too_slow and not result.locust_stats and not result.samples:
         result.error = (f"Locust produced no results for {profile}/{setting} (exit {result.exit_code}"
                         f"{', killed at the hard deadline' if timed_out else ''}); its log ends with:\n"
                         f"{result.log_tail}")

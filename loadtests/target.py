@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from specbuild.pipeline.errors import ServerError, UsageError
-from specbuild.pipeline.metrics import parse_prometheus
+from specbuild.pipeline.metrics import metric_sum, parse_prometheus
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,32 @@ def scrape(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | 
     out = parse_prometheus(text)
     out["_scraped_at"] = time.time()
     return out
+
+
+IN_FLIGHT_GAUGES = ("specbuild_live_requests",)   # the embedded engine's requests not yet answered in full
+
+
+def in_flight(samples: dict[str, float] | None) -> float | None:
+    """Requests the server still works on (None: the deployment exports no such gauge, e.g. TensorRT-LLM)."""
+    if not samples:
+        return None
+    found = [metric_sum(samples, g) for g in IN_FLIGHT_GAUGES if any(k.split("{")[0] == g for k in samples)]
+    return sum(found) if found else None
+
+
+def wait_idle(metrics_url: str | None, timeout: float, *, poll: float = 0.5,
+              clock=time.monotonic, sleep=time.sleep) -> tuple[bool, float | None]:
+    """Wait until the previous run's requests have left the server (a closed-loop client gone from a
+    non-streaming /generate does not cancel its request: Triton's HTTP frontend never sees the disconnect),
+    so each run starts on an idle server. Returns (idle, requests still in flight); bounded by `timeout`."""
+    deadline = clock() + timeout
+    while True:
+        left = in_flight(scrape(metrics_url))
+        if left is None or left <= 0:
+            return True, left
+        if clock() >= deadline:
+            return False, left
+        sleep(poll)
 
 
 def alive(url: str, timeout: float = 3.0) -> bool:

@@ -274,6 +274,10 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
                    seed=session.seed, gates=session.gates, grpc_batch_dim=session.info.batch_dim,
                    min_duration_s=profile.duration, min_requests=profile.min_requests,
                    max_duration_s=profile.ceiling)
+    idle, left = target.wait_idle(session.metrics_url, timeout=profile.ceiling)
+    if not idle:
+        say(f"{profile.name} / {setting}: {left:g} requests of the previous run still in flight after "
+            f"{profile.ceiling:g} s; measuring anyway (the run starts on a busy server)")
     before = target.scrape(session.metrics_url)
     say(f"{profile.name} / {setting}: {profile.users} users, {profile.duration:g} s and >= {profile.min_requests} "
         f"requests (ceiling {profile.ceiling:g} s; {'streaming' if profile.stream else 'non-streaming'}, "
@@ -287,6 +291,8 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
                                  input_config={"url": session.url, "model": session.model,
                                                "protocol": session.protocol, "request_fields": spec.payload})
     summary["server_metrics_delta"] = target.model_deltas(deltas, session.model)
+    if not idle:
+        summary["started_with_in_flight"] = left
     summary["run_dir"] = str(run_dir)
     (run_dir / "profile_export_genai_perf.json").write_text(json.dumps(summary["_genai_perf"], indent=2) + "\n")
     kept = {k: v for k, v in summary.items() if not k.startswith("_") and k != "run_dir"}

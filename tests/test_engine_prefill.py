@@ -34,9 +34,9 @@ class Events:
         sched = eng.scheduler
         propose, score = sched.draft.propose, sched.scorer.score
 
-        def rec_propose(seqs, ks):
+        def rec_propose(seqs, ks, **kw):
             self.log.append(("propose", {s.request_id for s, k in zip(seqs, ks) if k > 0}))
-            return propose(seqs, ks)
+            return propose(seqs, ks, **kw)
 
         def rec_score(seqs, drafts):
             self.log.append(("score", {s.request_id for s in seqs}))
@@ -177,3 +177,18 @@ def test_abort_during_chunked_prefill_frees_the_slot(eng, monkeypatch):
     drive(eng, lambda: not sched.has_work())
     assert sched.slots.num_free == 4
     assert [d.finish_reason for d in deltas if d.request_id == b] == ["abort"]
+
+
+def test_a_waiting_request_cuts_the_running_draft_round_short(tiny_llama):
+    """Admission preempts drafting: with a newcomer waiting for a free slot, the running sequence's draft
+    round ends after one draft step (output unchanged: K may vary), so the newcomer's first token waits for
+    one draft step and a short verify, not K draft steps."""
+    from specbuild.engines.embedded import Engine, SamplingParams
+
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=2, max_seq_len=128)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = eng.generate("hello world", params, num_draft_tokens=0).token_ids
+    eng.scheduler._admission_pending = lambda: True          # as if a request arrived during every round
+    out = eng.generate("hello world", params, num_draft_tokens=6)
+    assert out.token_ids == ref
+    assert out.stats.num_drafts > 0 and set(out.stats.k_counts) <= {0, 1}   # one draft token per round

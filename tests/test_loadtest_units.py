@@ -408,3 +408,40 @@ def test_prometheus_text_is_parsed_in_one_place():
     assert s["with_timestamp"] == 7.0 and len(s) == 5
     assert metric_sum(s, "nv_inference_count") == 15.0 and metric_sum(s, "nv_inference_count", model="ensemble") == 12.0
     assert metric_sum(s, "absent") == 0.0
+
+
+def test_each_run_waits_for_the_previous_runs_requests_to_leave_the_server(monkeypatch):
+    """Closed-loop batch users leave up to users requests in the engine when a run ends (a non-streaming
+    /generate is not cancelled by a disconnect); the next run must not start on that backlog."""
+    from specbuild.loadtests import target
+
+    series = iter([{"specbuild_live_requests": 24.0}, {"specbuild_live_requests": 9.0},
+                   {"specbuild_live_requests": 0.0}])
+    monkeypatch.setattr(target, "scrape", lambda url: next(series))
+    now = [0.0]
+    idle, left = target.wait_idle("http://x/metrics", timeout=60, clock=lambda: now[0],
+                                  sleep=lambda dt: now.__setitem__(0, now[0] + dt))
+    assert idle and left == 0 and now[0] == 1.0                    # two polls of 0.5 s
+    monkeypatch.setattr(target, "scrape", lambda url: {"specbuild_live_requests": 5.0})
+    now[0] = 0.0
+    idle, left = target.wait_idle("http://x/metrics", timeout=3, clock=lambda: now[0],
+                                  sleep=lambda dt: now.__setitem__(0, now[0] + dt))
+    assert not idle and left == 5 and now[0] == 3.0                 # bounded
+    monkeypatch.setattr(target, "scrape", lambda url: {"nv_inference_count": 3.0})   # no such gauge: no wait
+    assert target.wait_idle("http://x/metrics", timeout=60) == (True, None)
+    monkeypatch.setattr(target, "scrape", lambda url: None)                          # no metrics port
+    assert target.wait_idle(None, timeout=60) == (True, None)
+
+
+def test_a_run_that_completed_nothing_by_its_ceiling_is_too_slow_not_failed(tmp_path):
+    """A forced-draft batch run on a slow machine can end its 75 s ceiling with 0 requests done: that is a
+    measurement ("too slow to measure here", with what was seen), not a harness failure (exit 1)."""
+    from specbuild.loadtests import report as rep
+    from specbuild.loadtests.runner import CellResult
+
+    cell = CellResult(profile="batch", setting="draft", run_dir=tmp_path, exit_code=0, duration_s=81.0,
+                      stop={"reason": "too slow to measure here", "completed": 0, "elapsed_s": 75.1,
+                            "min_requests": 16, "min_duration_s": 15.0, "max_duration_s": 75.0})
+    summary = rep.summarize_cell(cell, stream=False, users=32)
+    assert summary["status"] == "too slow to measure here"
+    assert rep.overall_status([summary], interrupted=False) == "too slow to measure here"

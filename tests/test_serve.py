@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -202,3 +203,32 @@ def test_trtllm_repository_needs_a_trtllm_tritonserver(workdir):
     with pytest.raises(ToolNotAvailable, match="TensorRT-LLM Triton container"):
         serve.start(workdir, serve_options())
     assert serve.read_state(workdir) is None
+
+
+def test_stop_does_not_wait_out_the_timeout_for_orphaned_stubs(tmp_path):
+    """tritonserver exits on SIGTERM but a Python stub deep in an engine step ignores it (seen in the demo:
+    SIGKILL only after 30 s): once tritonserver is gone, its stubs get a short grace, then SIGKILL."""
+    import json as _json
+
+    fake = tmp_path / "fake-tritonserver"
+    fake.write_text("#!/usr/bin/env bash\n(trap '' TERM; while true; do sleep 0.2; done) &\n"
+                    "trap 'exit 0' TERM\nwhile true; do sleep 0.2; done\n")
+    fake.chmod(0o755)
+    proc = subprocess.Popen([str(fake)], start_new_session=True)
+    time.sleep(0.5)
+    ports = free_ports(3)
+    state = {"pid": proc.pid, "host": "127.0.0.1", "http_port": ports[0], "grpc_port": ports[1],
+             "metrics_port": ports[2], "repository": str(tmp_path), "log_file": str(tmp_path / "log"),
+             "argv": [str(fake)], "started": time.time()}
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "server.json").write_text(_json.dumps(state))
+    assert serve._group_members(proc.pid)
+    t0 = time.monotonic()
+    try:
+        serve.stop(tmp_path, timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert time.monotonic() - t0 < 30           # not the 60 s timeout: grace of ORPHAN_GRACE_S, then SIGKILL
+    assert not serve._group_members(proc.pid)

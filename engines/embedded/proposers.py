@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,8 +60,12 @@ class DraftModelProposer(CachedRunner):
     length_attr = "draft_len"
 
     @torch.inference_mode()
-    def propose(self, seqs, ks: list[int]) -> list[Proposal]:
-        """Draft ks[i] tokens for seqs[i] (batched; rows leave the batch once they have their K)."""
+    def propose(self, seqs, ks: list[int], stop_early: Callable[[], bool] | None = None) -> list[Proposal]:
+        """Draft ks[i] tokens for seqs[i] (batched; rows leave the batch once they have their K).
+
+        `stop_early()` is asked after each draft step: True (a new request can be admitted) ends drafting with
+        what each row has (at least one token), so a newcomer's first token waits for one draft step and a
+        short verify, not a whole round. Proposing fewer tokens never changes the output (K may vary)."""
         out = [Proposal([]) for _ in seqs]
         live = [i for i, k in enumerate(ks) if k > 0]
         if not live:
@@ -77,7 +82,7 @@ class DraftModelProposer(CachedRunner):
             self._pick(seqs, live, logits, drafted, probs)
             step += 1
             live = [i for i in live if ks[i] > step]
-            if not live:
+            if not live or (stop_early is not None and stop_early()):
                 break
             pos = [len(seqs[i].tokens) - 1 + step for i in live]
             logits = ragged_forward(self.model, self.cache, [seqs[i].slot for i in live], pos,

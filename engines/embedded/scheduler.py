@@ -276,6 +276,12 @@ class Scheduler:
             self._deliver()                                 # the first tokens go out before any drafting
         self._catch_up_drafts()
 
+    def _admission_pending(self) -> bool:
+        """A request the next step would admit (a free slot, or one already mid-prefill) is waiting: drafting
+        stops early so its first token is not held back by a whole speculation round (lock-free read)."""
+        waiting = self.waiting
+        return bool(waiting) and (self.slots.num_free > 0 or any(s.slot >= 0 for s in list(waiting)))
+
     def _effective_k(self, s: Sequence, cutoff: bool) -> int:
         if (cutoff and not s.forced_k) or s.num_draft_tokens <= 0:
             return 0
@@ -307,7 +313,8 @@ class Scheduler:
         d_idx = [i for i, s in enumerate(seqs) if ks[i] > 0 and s.proposer == "draft"]
         n_idx = [i for i, s in enumerate(seqs) if ks[i] > 0 and s.proposer == "ngram"]
         if d_idx:
-            props = self.draft.propose([seqs[i] for i in d_idx], [ks[i] for i in d_idx])
+            props = self.draft.propose([seqs[i] for i in d_idx], [ks[i] for i in d_idx],
+                                       stop_early=self._admission_pending)
             for i, p in zip(d_idx, props):
                 out[i] = p
         for i in n_idx:
