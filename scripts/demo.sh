@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The end-to-end demo, offline, on 2 CPU cores (about 15 minutes):
+# The end-to-end demo, offline, on 2 CPU cores (about 13 minutes; DEMO_DURATION=15: shorter):
 #   SmolLM2-135M-Instruct (target) + its int8 weight-only copy (the demo draft)
 #   convert -> build (calibrate K) -> deploy -> serve -> infer -> verify -> loadtest chat & batch
 #   with speculation off / the default policy / forced draft / forced n-gram -> report -> stop.
