@@ -32,10 +32,11 @@ test-fast:
 demo:
 	bash scripts/demo.sh "$(WORKDIR)"
 
+# 2 runs per cell at full length: 3 runs took 20 min 5 s on the 2-core VM (403 + 477 + 317 s + builds); 2 fit 15.
 bench:
-	$(BIN)/python bench/bench_engine.py --out bench/results/engine.json
-	$(BIN)/python bench/bench_served.py --out bench/results/served.json
-	$(BIN)/python bench/bench_adaptive.py --out bench/results/adaptive.json
+	$(BIN)/python bench/bench_engine.py --runs 2 --out bench/results/engine.json
+	$(BIN)/python bench/bench_served.py --runs 2 --out bench/results/served.json
+	$(BIN)/python bench/bench_adaptive.py --runs 2 --out bench/results/adaptive.json
 
 bench-quick:
 	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json
