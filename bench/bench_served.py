@@ -78,43 +78,40 @@ def one_request(engine: Engine, prompt, params, k) -> dict:
             "accepted": rec["accepted"]}
 
 
-def chat_cell(engine: Engine, prompts, *, users: int, per_user: int, tokens: int, k) -> dict:
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+def _run_users(users: int, user) -> list[dict]:
+    """Run `user(i, record)` on `users` threads at once; returns every record()ed result."""
     results: list[dict] = []
     lock = threading.Lock()
 
-    def user(i: int) -> None:
-        time.sleep(0.15 * i)
-        for j in range(per_user):
-            r = one_request(engine, prompts[(i * per_user + j) % len(prompts)], params, k)
-            with lock:
-                results.append(r)
+    def record(r: dict) -> None:
+        with lock:
+            results.append(r)
 
-    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    threads = [threading.Thread(target=user, args=(i, record)) for i in range(users)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return results
+
+
+def chat_cell(engine: Engine, prompts, *, users: int, per_user: int, tokens: int, k) -> dict:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+    def user(i: int, record) -> None:
+        time.sleep(0.15 * i)
+        for j in range(per_user):
+            record(one_request(engine, prompts[(i * per_user + j) % len(prompts)], params, k))
+
+    results = _run_users(users, user)
     return {"ttft": statistics.median(r["ttft"] for r in results), "e2e": statistics.median(r["e2e"] for r in results),
             "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results)}
 
 
 def batch_cell(engine: Engine, prompts, *, users: int, tokens: int, k) -> dict:
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    results: list[dict] = []
-    lock = threading.Lock()
     t0 = time.perf_counter()
-
-    def one(i: int) -> None:
-        r = one_request(engine, prompts[i % len(prompts)], params, k)
-        with lock:
-            results.append(r)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(users)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = _run_users(users, lambda i, record: record(one_request(engine, prompts[i % len(prompts)], params, k)))
     wall = time.perf_counter() - t0
     return {"tok_s": sum(r["tokens"] for r in results) / wall, "drafted": sum(r["drafted"] for r in results),
             "ttft": statistics.median(r["ttft"] for r in results)}

@@ -36,8 +36,8 @@ EMBEDDED = "embedded"
 
 
 def deployment_target(workdir) -> str:
-    """What the deployment in `workdir` serves: "embedded", or "trtllm-<family>" (the tensorrtllm_backend release
-    family of its templates, e.g. "trtllm-0.18"), read from the deploy manifest; "embedded" without one."""
+    """What the deployment in `workdir` serves: "trtllm-<family>" (the tensorrtllm_backend release family of its
+    templates, e.g. "trtllm-0.18"), read from the deploy manifest; else "embedded" (the contract as is)."""
     from pathlib import Path
 
     path = Path(workdir) / "model_repository" / "manifest.json"
@@ -48,7 +48,9 @@ def deployment_target(workdir) -> str:
     if data.get("options", {}).get("backend") != "trtllm":
         return EMBEDDED
     family = ((data.get("extra") or {}).get("recipe") or {}).get("backend_family")
-    return f"trtllm-{family}" if family else "trtllm-0.18"
+    # Without a version-table family (the LLM-API path) there is no release table to adapt to: the contract
+    # is sent as is, rather than guessing a release.
+    return f"trtllm-{family}" if family else EMBEDDED
 
 
 def prompt_echo(tokenizer_dir) -> Callable[[str], str]:

@@ -47,6 +47,8 @@ def test_deployment_target_from_the_deploy_manifest(tmp_path):
     assert deployment_target(tmp_path) == "embedded"
     m.write_text(json.dumps({"options": {"backend": "trtllm"}, "extra": {"recipe": {"backend_family": "0.19"}}}))
     assert deployment_target(tmp_path) == "trtllm-0.19"
+    m.write_text(json.dumps({"options": {"backend": "trtllm"}, "extra": {"recipe": {"generation": "llmapi"}}}))
+    assert deployment_target(tmp_path) == "embedded"        # no release table: the contract as is, no guess
 
 
 def test_loadtest_payload_speaks_the_release_or_refuses_with_the_reason(tiny_tokenizer):
