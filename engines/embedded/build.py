@@ -73,6 +73,7 @@ def _engine_config(opts: dict[str, Any], *, has_draft: bool, default_k: int, cal
         "calibration": calibration,
         "adaptive_k": bool(opts.get("adaptive_k", False)),
         "spec_max_concurrency": opts.get("spec_max_concurrency"),
+        "linear_kernel": "auto",          # fp32 CPU linears on oneDNN packed weights when available (kernels.py)
     }
 
 
@@ -220,11 +221,13 @@ def run(ctx: StageContext) -> StageResult:
         calibration = None
         if opts["calibrate"]:
             from specbuild.engines.embedded.calibrate import calibrate
+            from specbuild.engines.embedded.kernels import linear_kernel_of
 
             step("calibrating (step times, acceptance)")
             cal = calibrate(engine, engine.target, engine.draft, proposer=opts["proposer"],
                             max_draft_len=opts["max_draft_len"], progress=ctx.progress)
             calibration = cal.to_dict()
+            calibration["linear_kernel"] = linear_kernel_of(engine.target)     # what the costs were measured on
             if opts["num_draft_tokens"] is None:
                 default_k = cal.recommended_k
             if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:
@@ -244,7 +247,7 @@ def run(ctx: StageContext) -> StageResult:
     outputs["engine"] = {k: engine_cfg[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype",
                                                     "device", "threads", "default_num_draft_tokens",
                                                     "default_proposer", "draft_quantize", "adaptive_k",
-                                                    "spec_max_concurrency")}
+                                                    "spec_max_concurrency", "linear_kernel")}
     return StageResult(outputs=outputs, checks=checks, extra={"calibration": calibration} if calibration else {})
 
 

@@ -101,6 +101,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.dtype == torch.float32:          # one op, bitwise the same as the composite below for fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -123,11 +125,11 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, kc, vc, meta: "BatchMeta"):
         B, T, _ = x.shape
         qkv = self.qkv(self.input_norm(x))                                  # [B, T, q+2kv]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(B, T, self.n_heads, self.hd)
-        k = k.view(B, T, self.n_kv, self.hd)
-        q = q * cos + _rotate_half(q) * sin                                 # cos/sin: [B, T, 1, hd]
-        k = k * cos + _rotate_half(k) * sin
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        # RoPE on q and k heads at once: rotate_half(x) * sin == roll(x, hd/2) * [-sin | sin] (sin_signed)
+        qk = qk.reshape(B, T, self.n_heads + self.n_kv, self.hd)
+        qk = qk * cos + torch.roll(qk, self.hd // 2, dims=-1) * sin         # cos/sin: [B, T, 1, hd]
+        q, k = qk.split((self.n_heads, self.n_kv), dim=2)
         # Write by position: kc[slot, :, pos] = k[b, t]; a rejected draft is simply overwritten later.
         kc[meta.write_slots, :, meta.write_pos] = k.to(kc.dtype)
         vc[meta.write_slots, :, meta.write_pos] = v.view(B, T, self.n_kv, self.hd).to(vc.dtype)
@@ -138,11 +140,6 @@ class Block(nn.Module):
         gu = self.gate_up(self.post_norm(x))
         g, u = gu.split((self.inter, self.inter), dim=-1)
         return x + self.down(F.silu(g) * u)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class BatchMeta:
@@ -197,9 +194,12 @@ class Transformer(nn.Module):
             freqs = torch.outer(t, self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             dt = self.embed.weight.dtype
-            self._rope_cache = (emb.cos().to(dt), emb.sin().to(dt))
+            sin = emb.sin()
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)      # for roll(x, hd/2) == [x2, x1]
+            self._rope_cache = (emb.cos().to(dt), sin.to(dt))
         cos, sin = self._rope_cache
-        return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
+        return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)      # sin is sign-folded, see _rope
 
     def forward(self, tokens: torch.Tensor, meta: BatchMeta, cache, logits_index: torch.Tensor | None = None):
         """tokens [B, T] -> logits [N, V] (float32) at the flattened rows `logits_index` (default: every row)."""
@@ -218,7 +218,7 @@ class Transformer(nn.Module):
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-        return total
+        return total + sum(getattr(m, "packed_nbytes", 0) for m in self.modules())   # kernels.PackedLinear
 
 
 @torch.inference_mode()

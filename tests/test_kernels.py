@@ -1,0 +1,118 @@
+"""oneDNN packed fp32 linears (engines/embedded/kernels.py): same values as torch's linear, batch-invariant rows,
+and the engine uses them by default (and not when told "aten")."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from specbuild.engines.embedded.kernels import (PackedLinear, linear_kernel_of, onednn_available,
+                                                pack_linears_)
+from specbuild.engines.embedded.kvcache import KVCache
+from specbuild.engines.embedded.model import ragged_forward
+from specbuild.engines.embedded.quant import Int8Linear, quantize_model_
+from specbuild.engines.embedded.weights import load_model
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_computes_what_linear_computes(bias):
+    gen = torch.Generator().manual_seed(1)
+    lin = nn.Linear(96, 80, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(80, 96, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(80, generator=gen))
+    packed = PackedLinear(lin)
+    for shape in [(1, 96), (7, 96), (2, 5, 96)]:
+        x = torch.randn(*shape, generator=gen)
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-4, atol=1e-4)
+    x = torch.randn(3, 6, 96, generator=gen)[:, 1:4]          # a non-contiguous view, as a split produces
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_packed_rows_do_not_depend_on_the_other_rows():
+    """Batch invariance at the kernel: row i of a 9-row call is bitwise row i computed alone."""
+    gen = torch.Generator().manual_seed(2)
+    lin = nn.Linear(576, 1536, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(1536, 576, generator=gen))
+    packed = PackedLinear(lin)
+    x = torch.randn(9, 576, generator=gen)
+    full = packed(x)
+    for m in (1, 2, 5):
+        assert torch.equal(packed(x[:m]), full[:m])
+    assert torch.equal(packed(x[4:5]), full[4:5])
+
+
+def _cache(model, slots=2):
+    c = model.cfg
+    return KVCache(num_layers=c.num_layers, num_slots=slots, kv_heads=c.num_kv_heads, max_seq=128,
+                   head_dim=c.head_dim, dtype=torch.float32, device="cpu")
+
+
+@needs_onednn
+def test_a_sequences_logits_do_not_depend_on_who_shares_its_batch(tiny_llama):
+    """With packed linears the target's verify logits for one request are bitwise the same alone or batched
+    with another request (aten's sgemm is not: its blocking changes with the row count)."""
+    model = load_model(tiny_llama)
+    assert pack_linears_(model) == model.cfg.num_layers * 4 + 1     # (qkv, o, gate_up, down) per block + lm_head
+    cache = _cache(model)
+    prompt, other, rows = list(range(10, 40)), list(range(50, 70)), [3, 4, 5, 6, 7]
+    with torch.inference_mode():
+        ragged_forward(model, cache, [0], [0], [prompt], "none")
+        ragged_forward(model, cache, [1], [0], [other], "none")
+        alone = ragged_forward(model, cache, [0], [len(prompt)], [rows], "all")
+        shared = ragged_forward(model, cache, [0, 1], [len(prompt), len(other)], [rows, [9]], "all")[:len(rows)]
+    assert torch.equal(alone, shared)
+
+
+@needs_onednn
+def test_pack_swaps_only_fp32_linears_and_keeps_the_models_output(tiny_llama):
+    ref = load_model(tiny_llama)
+    model = load_model(tiny_llama)
+    n_linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    assert pack_linears_(model, "onednn") == n_linears > 0
+    assert linear_kernel_of(model) == "onednn" and linear_kernel_of(ref) == "aten"
+    assert model.num_bytes() == ref.num_bytes() + ref.lm_head.weight.numel() * 4   # tied lm_head: own packed copy
+    c1, c2 = _cache(ref), _cache(model)
+    toks = list(range(5, 30))
+    with torch.inference_mode():
+        a = ragged_forward(ref, c1, [0], [0], [toks], "all")
+        b = ragged_forward(model, c2, [0], [0], [toks], "all")
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    # an int8 draft keeps its int8 kernels; only what is still an fp32 nn.Linear would be packed
+    draft = quantize_model_(load_model(tiny_llama), "int8")
+    assert pack_linears_(draft) == 0 and any(isinstance(m, Int8Linear) for m in draft.modules())
+    assert pack_linears_(load_model(tiny_llama), "aten") == 0
+
+
+def test_an_unknown_linear_kernel_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="linear_kernel must be one of auto, onednn, aten"):
+        pack_linears_(load_model(tiny_llama), "mkl")
+
+
+@needs_onednn
+def test_engine_packs_by_default_and_honours_aten_in_engine_config(tiny_llama, tmp_path):
+    from specbuild.engines.embedded.engine import Engine
+    from specbuild.engines.embedded.sampling import SamplingParams
+
+    eng = Engine.from_checkpoints(tiny_llama, max_batch_size=2, max_seq_len=128)
+    assert linear_kernel_of(eng.target) == "onednn"
+    out_packed = eng.generate("The quick brown", SamplingParams(max_tokens=6)).token_ids
+
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(tiny_llama, engine_dir / "target")
+    (engine_dir / "engine_config.json").write_text(json.dumps(
+        {"target": "target", "max_batch_size": 2, "max_seq_len": 128, "linear_kernel": "aten"}))
+    eng2 = Engine.from_build_dir(engine_dir)
+    assert linear_kernel_of(eng2.target) == "aten"
+    out_aten = eng2.generate("The quick brown", SamplingParams(max_tokens=6)).token_ids
+    assert len(out_packed) == len(out_aten) == 6
