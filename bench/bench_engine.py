@@ -30,6 +30,7 @@ from specbuild.pipeline.convert import convert
 from specbuild.engines.embedded import Engine, SamplingParams
 from specbuild.engines.embedded.calibrate import (estimate_alpha, forward_probe, predicted_speedup,
                                                   time_interleaved)
+from specbuild.engines.embedded.kernels import onednn_available
 from specbuild.engines.embedded.quant import quantize_model_
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
 from specbuild.pipeline.sources import cache_dir, resolve
@@ -72,7 +73,14 @@ def engine_dir(workdir: Path) -> Path:
     """The documented recipe of the demo draft: convert (draft == target), build --draft-quantize int8."""
     src = resolve(MODEL, progress=log)
     convert(src.path, src.path, workdir=workdir, progress=log)
-    result = build(workdir=workdir, draft_quantize="int8", max_batch_size=8, max_seq_len=1024, progress=log)
+    # A calibration measured on other linear kernels (an engine built before kernels.py) is stale: rebuild it.
+    cfg_path = workdir / "engines" / "engine_config.json"
+    stale = False
+    if cfg_path.is_file():
+        cal = json.loads(cfg_path.read_text()).get("calibration") or {}
+        stale = cal.get("linear_kernel", "aten") != ("onednn" if onednn_available() else "aten")
+    result = build(workdir=workdir, draft_quantize="int8", max_batch_size=8, max_seq_len=1024, progress=log,
+                   force=stale)
     return result.out_dir
 
 

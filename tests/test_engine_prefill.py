@@ -192,3 +192,31 @@ def test_a_waiting_request_cuts_the_running_draft_round_short(tiny_llama):
     out = eng.generate("hello world", params, num_draft_tokens=6)
     assert out.token_ids == ref
     assert out.stats.num_drafts > 0 and set(out.stats.k_counts) <= {0, 1}   # one draft token per round
+
+
+def test_a_request_arriving_during_drafting_streams_before_that_rounds_verify(eng, plain, monkeypatch):
+    """A newcomer that arrives while the running sequence drafts is prefilled between that round's draft and
+    its verify: its first token waits for at most one draft step (less than a target step without
+    speculation), and both outputs stay the target's."""
+    ev = Events(eng, monkeypatch)
+    sched = eng.scheduler
+    a = eng.submit(PROMPTS[1], GREEDY, num_draft_tokens=4, on_output=ev.on_output)
+    eng.scheduler.step()
+    propose = sched.draft.propose
+    box = {}
+
+    def arrive_during_propose(seqs, ks, **kw):
+        if "b" not in box:
+            box["b"] = eng.submit(PROMPTS[2], GREEDY, num_draft_tokens=4, on_output=ev.on_output)
+        return propose(seqs, ks, **kw)
+
+    monkeypatch.setattr(sched.draft, "propose", arrive_during_propose)
+    eng.scheduler.step()
+    b = box["b"]
+    kinds = [(kind, x.request_id if kind == "delta" else sorted(x)) for kind, x in ev.log[-4:]]
+    # ... propose{a} (b submitted during it), b's first token, verify{a}, a's tokens
+    assert kinds == [("propose", [a]), ("delta", b), ("score", [a]), ("delta", a)]
+    sa, sb = sched.by_id[a], sched.by_id[b]
+    assert sb.draft_len == 0                                 # its draft prefill is the next step's
+    drive(eng, lambda: sa.finished and sb.finished)
+    assert sa.generated == plain[PROMPTS[1]] and sb.generated == plain[PROMPTS[2]]

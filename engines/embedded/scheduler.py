@@ -143,6 +143,12 @@ class Scheduler:
         self._share_adaptive_k(seqs, ks)
         t0 = self.clock()
         proposals = self._contained("propose", seqs, lambda ss, ix: self._propose(ss, [ks[i] for i in ix]))
+        if self.draft is not None and any(k > 0 and s.proposer == "draft" for s, k in zip(seqs, ks)) \
+                and self._admission_pending():
+            # A request arrived while the draft ran (drafting stopped early for it): prefill it and stream its
+            # first token now, before this round's verify, so it waits for at most one draft step — less than
+            # the target step it would wait for without speculation. Its draft prefill is the next step's.
+            self._admit(catch_up=False)
         t1 = self.clock()
         logits = self._contained("score", seqs, lambda ss, ix: self.scorer.score(
             ss, [proposals[i].token_ids for i in ix]), skip=proposals)
@@ -219,7 +225,7 @@ class Scheduler:
                                   f"batch slot (queue_timeout_s={self.queue_timeout_s:g}); retry later.",
                            kind="unavailable")
 
-    def _admit(self) -> None:
+    def _admit(self, catch_up: bool = True) -> None:
         """Admission and prefill, under a per-step prefill token budget (chunked prefill).
 
         Waiting requests take free slots in FIFO order. A request holding a slot stays at the head of `waiting`
@@ -228,8 +234,9 @@ class Scheduler:
         long prompt never stalls them for more than one chunk; with none running, whole prompts. The forward
         over a prompt's last chunk yields the first token's logits: that token is sampled (stop ids suppressed
         before min_tokens; the request's generator), appended and streamed at once, like TensorRT-LLM's context
-        phase. Only then is the draft prefilled (`_catch_up_drafts`) and the sequence joins `running`; its first
-        speculation round is this step's. The cache invariants of sequence.py hold afterwards.
+        phase. Only then is the draft prefilled (`_catch_up_drafts`; `catch_up=False` leaves that to the next
+        step) and the sequence joins `running`; its first speculation round is this step's (or the next one's when
+        it was admitted between a round's draft and verify). The cache invariants of sequence.py hold afterwards.
         """
         with self.lock:
             live_running = sum(1 for s in self.running if not s.finished)
@@ -274,7 +281,8 @@ class Scheduler:
                     self.running.append(s)
                     self._append(s, [tok])                  # target cache 0..n-2 holds: n = prompt + 1
             self._deliver()                                 # the first tokens go out before any drafting
-        self._catch_up_drafts()
+        if catch_up:
+            self._catch_up_drafts()
 
     def _admission_pending(self) -> bool:
         """A request the next step would admit (a free slot, or one already mid-prefill) is waiting: drafting
