@@ -73,12 +73,15 @@ def engine_dir(workdir: Path) -> Path:
     """The documented recipe of the demo draft: convert (draft == target), build --draft-quantize int8."""
     src = resolve(MODEL, progress=log)
     convert(src.path, src.path, workdir=workdir, progress=log)
-    # A calibration measured on other linear kernels (an engine built before kernels.py) is stale: rebuild it.
+    # An engine built by an older specbuild (no shared draft KV, a calibration measured on other linear kernels)
+    # measures yesterday's engine: rebuild it.
     cfg_path = workdir / "engines" / "engine_config.json"
     stale = False
     if cfg_path.is_file():
-        cal = json.loads(cfg_path.read_text()).get("calibration") or {}
-        stale = cal.get("linear_kernel", "aten") != ("onednn" if onednn_available() else "aten")
+        cfg = json.loads(cfg_path.read_text())
+        cal = cfg.get("calibration") or {}
+        stale = ("draft_kv" not in cfg
+                 or cal.get("linear_kernel", "aten") != ("onednn" if onednn_available() else "aten"))
     result = build(workdir=workdir, draft_quantize="int8", max_batch_size=8, max_seq_len=1024, progress=log,
                    force=stale)
     return result.out_dir

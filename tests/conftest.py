@@ -22,10 +22,12 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def eng_self(tiny_llama):
-    """An embedded engine whose draft is the target itself: every draft is accepted."""
+    """An embedded engine whose draft is the target itself: every draft is accepted. Priced by the default cost
+    model, not measured step costs (online, a draft that is the target costs a whole step and adaptive K would
+    rightly stop drafting)."""
     from specbuild.engines.embedded import Engine
 
-    return Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
+    return Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128, online_costs=False)
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,7 @@ def test_crossover_is_the_first_batch_size_where_drafting_loses():
 def eng(tiny_llama, tiny_llama_draft):
     """Target with an unrelated draft; adaptive by default."""
     return Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=128,
-                                   adaptive_k=True)
+                                   adaptive_k=True, online_costs=False)   # the acceptance side of the policy
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_adaptive_drafts_long_when_the_draft_is_the_target(eng_self, plain):
 
 
 def test_new_requests_start_from_what_finished_ones_measured(tiny_llama, plain, monkeypatch):
-    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128, online_costs=False)
     trackers = _record_trackers(eng, monkeypatch)
     assert eng.scheduler.alpha_prior["draft"] == AdaptivePolicy().prior_alpha
     first = eng.generate(PROMPTS[0], GREEDY, num_draft_tokens=-1)
@@ -200,7 +200,7 @@ def test_fixed_k_still_works_on_an_adaptive_engine(eng, plain):
 
 def test_concurrency_cutoff_stops_drafting_while_more_sequences_run(tiny_llama, plain):
     """The cut-off is the deployment's default policy: it applies to requests that leave K to the engine."""
-    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128,
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128, online_costs=False,
                                   spec_max_concurrency=1, default_num_draft_tokens=3)
     lens = [4, 4, 20]
     outs = eng.generate_batch([(p, SamplingParams(max_tokens=n, ignore_eos=True), None)
@@ -216,13 +216,13 @@ def test_concurrency_cutoff_stops_drafting_while_more_sequences_run(tiny_llama, 
     _check_stats(long_)
     assert eng.metrics()["spec_cutoff_steps_total"] == 3
     # Without the cut-off every request drafts from its first step.
-    free = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128)
+    free = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128, online_costs=False)
     outs = free.generate_batch([(p, SamplingParams(max_tokens=n, ignore_eos=True), 3) for p, n in zip(PROMPTS, lens)])
     assert all(o.stats.k_counts.get(0, 0) == 0 and o.stats.cutoff_steps == 0 for o in outs)
 
 
 def test_an_explicit_k_forces_speculation_above_the_cutoff(tiny_llama, plain):
-    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128,
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128, online_costs=False,
                                   spec_max_concurrency=0, default_num_draft_tokens=3)   # 0 = never by default
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     default, forced, off = eng.generate_batch([(PROMPTS[0], params, None), (PROMPTS[1], params, 3),
@@ -237,9 +237,9 @@ def test_an_explicit_k_forces_speculation_above_the_cutoff(tiny_llama, plain):
 def test_unsafe_always_accept_drifts_and_exact_does_not(tiny_llama, tiny_llama_draft, plain, caplog):
     with caplog.at_level(logging.WARNING):
         bad = Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=128,
-                                      acceptance_rule="unsafe-always-accept")
+                                      online_costs=False, acceptance_rule="unsafe-always-accept")
     assert "ACCEPTED WITHOUT VERIFICATION" in caplog.text
-    good = Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=128)
+    good = Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=128, online_costs=False)
     drifted = 0
     for p in PROMPTS:
         broken = bad.generate(p, GREEDY, num_draft_tokens=3)
@@ -281,3 +281,55 @@ def test_batch_k_is_one_k_for_the_step_and_weighs_every_sequence():
     assert choose_batch_k([0.05, 0.05, 0.05], [8, 8, 8], cost) == 0
     assert choose_batch_k([0.99, 0.99], [2, 8], cost) >= 2           # caps bound each sequence, not the choice
     assert choose_batch_k([], [], cost) == 0
+
+
+# ---- online step costs ----------------------------------------------------------------------------
+def test_online_costs_price_k_with_what_the_steps_measured():
+    from specbuild.engines.embedded.adaptive import OnlineCosts
+
+    base = cost_models(CALIBRATION)["draft"]
+    oc = OnlineCosts(min_samples=3, explore_every=4)
+    assert oc.model(1, base) is base and not oc.wants_plain(1)      # nothing measured: the calibration
+    for _ in range(3):
+        oc.observe(1, 4, 4, t_propose=4 * 0.030, t_score=0.050)     # draft step 30 ms, verify of 5: 50 ms
+    assert oc.wants_plain(1)                                        # drafting seen, no baseline yet
+    assert oc.model(1, base) is base
+    for _ in range(3):
+        oc.observe(1, 0, 0, t_propose=0.0, t_score=0.040)          # plain step 40 ms
+    m = oc.model(1, base)
+    assert m.source == "online" and m.cost_ratio == pytest.approx(0.75)
+    assert m.verify_overhead(4) == pytest.approx(0.25)
+    assert choose_k(0.96, m, 8) > 0 and choose_k(0.5, m, 8) == 0    # c 0.75: pays only at high acceptance
+    assert oc.model(2, base) is base                                # per batch size
+    for _ in range(3):
+        oc.observe(1, 4, 4, 0.12, 0.05)
+    assert not oc.wants_plain(1)
+    oc.observe(1, 4, 4, 0.12, 0.05)
+    assert oc.wants_plain(1)                                        # explore_every drafting steps: one plain
+    oc.observe(1, 4, 4, t_propose=0.12, t_score=0.0)                # a fake clock: ignored
+    assert oc.snapshot()[1]["plain_ms"] == pytest.approx(40.0)
+
+
+def test_a_draft_that_is_slow_here_is_turned_off_by_measured_costs(tiny_llama, monkeypatch):
+    """The calibration (absent here: c 0.3 by default) says drafting pays; the draft is made 20 ms slower per
+    step than it was measured. With online costs adaptive K sees it and drafts (almost) nothing after the
+    first steps; without, it keeps drafting. Output is the target's either way."""
+    import time as _time
+
+    outs = {}
+    for online in (True, False):
+        eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=2, max_seq_len=192,
+                                      adaptive_k=True, online_costs=online)
+        fwd = eng.draft.forward
+
+        def slow(*a, _fwd=fwd, **kw):
+            _time.sleep(0.02)
+            return _fwd(*a, **kw)
+        monkeypatch.setattr(eng.draft, "forward", slow)
+        params = SamplingParams(max_tokens=48, ignore_eos=True)
+        plain = eng.generate(PROMPTS[0], params, num_draft_tokens=0).token_ids
+        runs = [eng.generate(PROMPTS[0], params) for _ in range(2)]
+        assert all(r.token_ids == plain for r in runs)
+        outs[online] = runs[-1].stats.num_draft_tokens
+    assert outs[False] >= 30                    # priced by the default model: keeps drafting
+    assert outs[True] <= 8                      # measured: a few probes at most

@@ -72,6 +72,7 @@ def test_build_writes_engine_dir_and_sane_calibration(pair_workdir):
     assert cfg["max_batch_size"] == 2 and cfg["max_seq_len"] == 128 and cfg["max_draft_len"] == 4
     assert cfg["dtype"] == "float32" and cfg["device"] == "cpu" and cfg["draft"] == "draft"
     assert cfg["draft_format"] == "hf-safetensors" and cfg["default_proposer"] == "draft"
+    assert cfg["draft_kv"] == "own"                  # an unrelated draft keeps its own KV cache
     for rel in ("target/model.safetensors", "target/config.json", "draft/model.safetensors",
                 "tokenizer/tokenizer.json", "manifest.json"):
         assert (out / rel).is_file(), rel
@@ -111,11 +112,13 @@ def test_int8_self_draft_loads_and_generates(self_draft_workdir):
     out = wd / "engines"
     cfg = json.loads((out / "engine_config.json").read_text())
     assert cfg["draft_format"] == "int8-weight-only" and cfg["draft_quantize"] == "int8"
+    assert cfg["draft_kv"] == "shared" == result.manifest["outputs"]["engine"]["draft_kv"]   # a self-draft
     assert (out / "draft" / "model.int8.safetensors").is_file()
     assert not (out / "draft" / "model.safetensors").exists()
     assert result.manifest["outputs"]["draft"]["quantized_linears"] > 0
     # (the measured cut-off of a tiny model may be 0 = never draft; this test is about the int8 draft itself)
     engine = Engine.from_build_dir(out, spec_max_concurrency=None)
+    assert engine.scheduler.draft.cache is engine.scorer.cache
     assert engine.config.has_draft and engine.config.default_num_draft_tokens == cfg["default_num_draft_tokens"]
     assert any(isinstance(m, Int8Linear) for m in engine.draft.modules())
     params = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -88,10 +88,27 @@ def test_pack_swaps_only_fp32_linears_and_keeps_the_models_output(tiny_llama):
         a = ragged_forward(ref, c1, [0], [0], [toks], "all")
         b = ragged_forward(model, c2, [0], [0], [toks], "all")
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    # an int8 draft keeps its int8 kernels; only what is still an fp32 nn.Linear would be packed
-    draft = quantize_model_(load_model(tiny_llama), "int8")
-    assert pack_linears_(draft) == 0 and any(isinstance(m, Int8Linear) for m in draft.modules())
     assert pack_linears_(load_model(tiny_llama), "aten") == 0
+
+
+@needs_onednn
+def test_an_int8_linear_keeps_int8_for_decode_rows_and_prefills_on_an_fp32_copy():
+    from specbuild.engines.embedded.quant import dequantize_weight
+
+    gen = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 96))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(96, 64, generator=gen))
+    q = quantize_model_(model, "int8")[0]
+    assert isinstance(q, Int8Linear)
+    decode, prefill = torch.randn(1, 3, 64, generator=gen), torch.randn(1, 40, 64, generator=gen)
+    before_decode, before_prefill = q(decode), q(prefill)
+    assert pack_linears_(model) == 1 and q.prefill_packed is not None
+    assert torch.equal(q(decode), before_decode)                      # the int8 kernel, untouched
+    ref = nn.functional.linear(prefill, dequantize_weight(q.qweight, q.scales), q.bias)
+    got = q(prefill)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)         # fp32 on the dequantized weight ...
+    assert not torch.equal(got, before_prefill)                       # ... not the bf16-activation int8 kernel
 
 
 def test_an_unknown_linear_kernel_is_refused(tiny_llama):

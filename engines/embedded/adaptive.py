@@ -27,6 +27,8 @@ a = 0.3 -> K = 0 (no K beats plain decoding).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 ADAPTIVE_K = -1                       # num_draft_tokens value meaning "adaptive"
@@ -193,3 +195,80 @@ def crossover_concurrency(speedup_by_batch: dict[int, float]) -> int | None:
     Example: {1: 1.4, 2: 1.2, 4: 0.9, 8: 0.7} -> 4 (spec_max_concurrency 3).
     """
     return next((b for b in sorted(speedup_by_batch) if speedup_by_batch[b] < 1.0), None)
+
+
+class OnlineCosts:
+    """Step costs measured while serving, per number of sequences in the step (n), for adaptive K.
+
+    The build's calibration times bare forwards on a quiet moment; what a round costs in the engine (Python
+    around the forwards, the int8 kernel against the fp32 one, other load on a shared machine) can differ
+    enough to flip the sign of the gain (measured here: c = 0.74 calibrated, 0.8-0.9 in the serving loop).
+    So every step reports its timings: a step where nobody drafted is a plain target step at n rows; a
+    drafting step gives the time per draft step (propose time / draft steps) and the verify time for its K.
+    `model(n, base)` turns the medians of the last `window` samples into the cost model adaptive K uses,
+    relative to the plain step at the same n (c = draft step / plain step, v(K) = verify(K) / plain step - 1,
+    fitted as a line like the calibration's). Until `min_samples` plain and drafting steps were seen at n, it
+    returns `base` (the calibration). While sequences keep drafting, every `explore_every`-th step at n is run
+    plain (`wants_plain`) so the baseline stays measured: speculation is judged against what off costs now.
+    """
+
+    def __init__(self, *, window: int = 15, min_samples: int = 3, explore_every: int = 16):
+        self.window, self.min_samples, self.explore_every = window, min_samples, explore_every
+        self.plain: dict[int, deque] = {}
+        self.draft_step: dict[int, deque] = {}
+        self.verify: dict[tuple[int, int], deque] = {}
+        self._since_plain: dict[int, int] = {}
+
+    def _add(self, table: dict, key, value: float) -> None:
+        table.setdefault(key, deque(maxlen=self.window)).append(value)
+
+    def observe(self, n: int, max_k: int, draft_steps: int, t_propose: float, t_score: float) -> None:
+        if n <= 0 or t_score <= 0:
+            return
+        if max_k <= 0:
+            self._add(self.plain, n, t_score)
+            self._since_plain[n] = 0
+            return
+        self._since_plain[n] = self._since_plain.get(n, 0) + 1
+        self._add(self.verify, (n, max_k), t_score)
+        if draft_steps > 0:
+            self._add(self.draft_step, n, t_propose / draft_steps)
+
+    def wants_plain(self, n: int) -> bool:
+        """Run this step plain to (re)measure the baseline at n: too few plain samples, or none for a while."""
+        if not self.verify_keys(n):
+            return False                                  # nobody drafted at n yet: nothing to compare
+        if len(self.plain.get(n, ())) < self.min_samples:
+            return True
+        return self._since_plain.get(n, 0) >= self.explore_every
+
+    def verify_keys(self, n: int) -> list[int]:
+        return sorted(k for (m, k) in self.verify if m == n)
+
+    def model(self, n: int, base: CostModel) -> CostModel:
+        plain = self.plain.get(n)
+        if plain is None or len(plain) < self.min_samples:
+            return base
+        t_plain = statistics.median(plain)
+        t_verify = {k: statistics.median(self.verify[(n, k)]) for k in self.verify_keys(n)}
+        if not t_verify or sum(len(self.verify[(n, k)]) for k in t_verify) < self.min_samples:
+            return base
+        a, b = fit_verify_curve(t_plain, t_verify)
+        c = base.cost_ratio
+        steps = self.draft_step.get(n)
+        if base.cost_ratio > 0 and steps and len(steps) >= self.min_samples:
+            c = statistics.median(steps) / t_plain
+        return CostModel(c, a, b, "online")
+
+    def snapshot(self) -> dict:
+        """Medians per n (ms) for metrics and benchmarks."""
+        out = {}
+        for n in sorted(set(self.plain) | {m for m, _ in self.verify}):
+            row = {}
+            if self.plain.get(n):
+                row["plain_ms"] = 1000 * statistics.median(self.plain[n])
+            if self.draft_step.get(n):
+                row["draft_step_ms"] = 1000 * statistics.median(self.draft_step[n])
+            row["verify_ms"] = {k: 1000 * statistics.median(self.verify[(n, k)]) for k in self.verify_keys(n)}
+            out[n] = row
+        return out

@@ -50,6 +50,21 @@ def _checkpoint_dirs(ctx: StageContext) -> tuple[Path, Path | None]:
     return target, (draft if (draft / "config.json").is_file() else None)
 
 
+def _draft_kv(target_src: Path, draft_src: Path | None) -> str:
+    """"shared" when the draft checkpoint is the target's (same config.json, same weight files by sha256): its
+    quantized copy then attends over the target's KV cache (engine.py `draft_kv`); else "own"."""
+    from specbuild.pipeline.manifest import sha256_file
+
+    if draft_src is None:
+        return "own"
+    if json.loads((target_src / "config.json").read_text()) != json.loads((draft_src / "config.json").read_text()):
+        return "own"
+    tw, dw = _weights(target_src), _weights(draft_src)
+    if [f.name for f in tw] != [f.name for f in dw] or not tw:
+        return "own"
+    return "shared" if all(sha256_file(a) == sha256_file(b) for a, b in zip(tw, dw)) else "own"
+
+
 def _weights(src: Path) -> list[Path]:
     files = sorted(src.glob("*.safetensors"))
     index = src / "model.safetensors.index.json"
@@ -74,6 +89,7 @@ def _engine_config(opts: dict[str, Any], *, has_draft: bool, default_k: int, cal
         "adaptive_k": bool(opts.get("adaptive_k", False)),
         "spec_max_concurrency": opts.get("spec_max_concurrency"),
         "linear_kernel": "auto",          # fp32 CPU linears on oneDNN packed weights when available (kernels.py)
+        "draft_kv": opts.get("draft_kv", "own") if has_draft else "own",   # "shared": a self-draft (engine.py)
     }
 
 
@@ -178,8 +194,8 @@ def _crossover(engine, opts: dict[str, Any], *, has_draft: bool, default_k: int,
 
 
 def run(ctx: StageContext) -> StageResult:
-    opts = ctx.options
     target_src, draft_src = _checkpoint_dirs(ctx)
+    opts = {**ctx.options, "draft_kv": _draft_kv(target_src, draft_src)}
     use_draft = opts["proposer"] == "draft" or opts["draft_quantize"] is not None
     if opts["proposer"] == "draft" and draft_src is None:
         raise UsageError(f"--proposer draft needs a draft checkpoint, but {ctx.upstream_dir} has none; "
@@ -247,13 +263,13 @@ def run(ctx: StageContext) -> StageResult:
     outputs["engine"] = {k: engine_cfg[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype",
                                                     "device", "threads", "default_num_draft_tokens",
                                                     "default_proposer", "draft_quantize", "adaptive_k",
-                                                    "spec_max_concurrency", "linear_kernel")}
+                                                    "spec_max_concurrency", "linear_kernel", "draft_kv")}
     return StageResult(outputs=outputs, checks=checks, extra={"calibration": calibration} if calibration else {})
 
 
 def plan(ctx: StageContext) -> list[PlanStep]:
-    opts = ctx.options
     target_src, draft_src = _checkpoint_dirs(ctx)
+    opts = {**ctx.options, "draft_kv": _draft_kv(target_src, draft_src)}
     out = Path(ctx.out_dir)
     steps = [PlanStep("note", note=f"embedded build: weights in {opts['dtype']} on {opts['device']}")]
     for f in _weights(target_src):

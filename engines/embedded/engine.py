@@ -18,6 +18,16 @@ Speculation controls (engine_config.json keys, also kwargs of `from_checkpoints`
   refuses at once (EngineUnavailableError, HTTP 503); `queue_timeout_s` (default 60): a request still waiting
   for a slot after this long is finished with an "unavailable" error. Both also engine_config.json keys and
   Triton model parameters (deploy).
+- `draft_kv` ("own" or "shared"): "shared" lets a self-draft (a quantized copy of the target: same layers, KV
+  heads and head size) attend over the *target's* KV cache instead of its own (QSpec, arXiv:2410.11305, shares
+  the cache between a quantized draft and its verifier). The draft then never prefills a prompt nor catches up
+  accepted tokens: it feeds only [last, d1..] at positions the next verify overwrites, so the target's cache
+  stays the target's and the output is unchanged. `build` writes "shared" when the draft checkpoint's weights
+  are the target's; `from_checkpoints` shares when draft_dir is target_dir.
+- `linear_kernel` ("auto", "onednn", "aten"): see kernels.py.
+- `online_costs` (default true): adaptive K prices K with the step costs the engine measures while serving
+  (adaptive.OnlineCosts: plain step, draft step and verify per batch size; one plain step in 16 keeps the
+  baseline measured), falling back to the build's calibration until it has seen enough steps.
 - `acceptance_rule`: "exact" (default, lossless) or "unsafe-always-accept", a DELIBERATE FAULT that accepts
   every draft, only for showing that `specbuild verify` catches drift. Never serve with it.
 """
@@ -74,6 +84,8 @@ class EngineConfig:
     acceptance_rule: str = EXACT             # "exact" | "unsafe-always-accept" (deliberate fault, tests only)
     max_queue_size: int | None = None        # waiting requests before refusing; None = 4 x max_batch_size
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S   # longest wait for a slot; None = no limit
+    draft_kv: str = "own"                    # "shared": the draft attends over the target's KV cache (self-draft)
+    online_costs: bool = True                # adaptive K uses step costs measured while serving (adaptive.py)
 
     @property
     def queue_limit(self) -> int:
@@ -125,12 +137,17 @@ class Engine:
                            max_seq=config.max_seq_len, head_dim=c.head_dim, dtype=m.embed.weight.dtype, device=dev)
 
         self.scorer = TargetScorer(target, cache_for(target), dev)
-        proposer = DraftModelProposer(draft, cache_for(draft), dev) if draft is not None else None
+        proposer = None
+        if draft is not None and config.draft_kv == "shared":
+            _check_kv_compatible(target, draft)
+            proposer = DraftModelProposer(draft, self.scorer.cache, dev, shares_target_kv=True)
+        elif draft is not None:
+            proposer = DraftModelProposer(draft, cache_for(draft), dev)
         self.scheduler = Scheduler(scorer=self.scorer, draft=proposer, ngram=NgramProposer(),
                                    max_batch_size=config.max_batch_size, costs=cost_models(calibration),
                                    spec_max_concurrency=config.spec_max_concurrency,
                                    acceptance_rule=config.acceptance_rule, max_waiting=config.queue_limit,
-                                   queue_timeout_s=config.queue_timeout_s)
+                                   queue_timeout_s=config.queue_timeout_s, online_costs=config.online_costs)
         self.scheduler.alpha_prior = prior_alphas(calibration)
         self._ids = itertools.count()
         self._step_lock = threading.Lock()
@@ -144,12 +161,15 @@ class Engine:
                          dtype="float32", device="cpu", draft_quantize=None, default_num_draft_tokens=4,
                          default_proposer="draft", threads=None, tokenizer_dir=None, adaptive_k=False,
                          spec_max_concurrency=None, acceptance_rule=EXACT, calibration=None, max_queue_size=None,
-                         queue_timeout_s=DEFAULT_QUEUE_TIMEOUT_S, linear_kernel="auto") -> "Engine":
+                         queue_timeout_s=DEFAULT_QUEUE_TIMEOUT_S, linear_kernel="auto",
+                         draft_kv=None, online_costs=True) -> "Engine":
         """Load target (and draft) checkpoint dirs. Without a draft, the default proposer is n-gram.
         The tokenizer comes from `tokenizer_dir`, default the target dir. `adaptive_k`, `spec_max_concurrency`,
         `acceptance_rule`: see the module docstring; `calibration`: a `calibrate.Calibration.to_dict()`.
         `linear_kernel`: "auto" runs fp32 CPU linears on oneDNN with weights reordered once (`kernels.py`: 2-4x
-        faster at 2+ rows, batch-invariant), "aten" keeps torch's default."""
+        faster at 2+ rows, batch-invariant), "aten" keeps torch's default. `draft_kv`: "own", "shared" (see the
+        module docstring), None = "shared" when draft_dir is target_dir, else "own". `online_costs`: adaptive K
+        judges K against step costs measured while serving (adaptive.OnlineCosts), the calibration until then."""
         from transformers import AutoTokenizer
 
         if threads:
@@ -168,6 +188,11 @@ class Engine:
             pack_linears_(draft, linear_kernel)
         elif default_proposer == "draft":
             default_proposer = "ngram"
+        if draft_kv is None:
+            draft_kv = "shared" if draft_dir is not None and Path(draft_dir).resolve() == Path(target_dir).resolve() \
+                else "own"
+        if draft_kv not in ("own", "shared"):
+            raise SourceError(f"draft_kv must be 'own' or 'shared', got {draft_kv!r}")
         tok = AutoTokenizer.from_pretrained(str(tokenizer_dir or target_dir))
         eos = tok.eos_token_id
         if eos is None:
@@ -178,7 +203,8 @@ class Engine:
                            default_proposer=default_proposer, has_draft=draft is not None, dtype=str(dtype),
                            device=str(device), eos_token_id=eos, adaptive_k=bool(adaptive_k),
                            spec_max_concurrency=spec_max_concurrency, acceptance_rule=acceptance_rule,
-                           max_queue_size=max_queue_size, queue_timeout_s=queue_timeout_s)
+                           max_queue_size=max_queue_size, queue_timeout_s=queue_timeout_s,
+                           draft_kv=draft_kv if draft is not None else "own", online_costs=bool(online_costs))
         measured = (calibration or {}).get("linear_kernel", "aten" if calibration else None)
         if measured and measured != linear_kernel_of(target):
             log.warning("the build's calibration was measured with %s linears but this engine runs %s: its costs, "
@@ -189,7 +215,8 @@ class Engine:
     @classmethod
     def from_build_dir(cls, engine_dir, *, device=None, threads=None, adaptive_k=_FROM_CONFIG,
                        spec_max_concurrency=_FROM_CONFIG, acceptance_rule=_FROM_CONFIG, max_queue_size=_FROM_CONFIG,
-                       queue_timeout_s=_FROM_CONFIG, linear_kernel=_FROM_CONFIG) -> "Engine":
+                       queue_timeout_s=_FROM_CONFIG, linear_kernel=_FROM_CONFIG, draft_kv=_FROM_CONFIG,
+                       online_costs=_FROM_CONFIG) -> "Engine":
         """Load the output of `specbuild build --backend embedded`: `engine_config.json` names the target and
         draft dirs (relative to engine_dir), the runtime limits, the speculation controls (`adaptive_k`,
         `spec_max_concurrency`, `acceptance_rule`), the admission limits (`max_queue_size`, `queue_timeout_s`)
@@ -220,7 +247,9 @@ class Engine:
             max_queue_size=rc.get("max_queue_size") if max_queue_size is _FROM_CONFIG else max_queue_size,
             queue_timeout_s=(rc.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S) if queue_timeout_s is _FROM_CONFIG
                              else queue_timeout_s),
-            linear_kernel=rc.get("linear_kernel", "auto") if linear_kernel is _FROM_CONFIG else linear_kernel)
+            linear_kernel=rc.get("linear_kernel", "auto") if linear_kernel is _FROM_CONFIG else linear_kernel,
+            draft_kv=rc.get("draft_kv", "own") if draft_kv is _FROM_CONFIG else draft_kv,
+            online_costs=rc.get("online_costs", True) if online_costs is _FROM_CONFIG else online_costs)
 
     # ---- requests ---------------------------------------------------------------------------------
     def _make_sequence(self, prompt, params: SamplingParams, num_draft_tokens, proposer, on_output,
@@ -387,6 +416,17 @@ class Engine:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _check_kv_compatible(target: Transformer, draft: Transformer) -> None:
+    t, d = target.cfg, draft.cfg
+    pairs = [("num_hidden_layers", t.num_layers, d.num_layers), ("num_key_value_heads", t.num_kv_heads, d.num_kv_heads),
+             ("head_dim", t.head_dim, d.head_dim), ("dtype", target.embed.weight.dtype, draft.embed.weight.dtype)]
+    bad = [f"{name} {a} vs {b}" for name, a, b in pairs if a != b]
+    if bad:
+        raise SourceError(f"draft_kv='shared' needs a draft with the target's KV layout, but {', '.join(bad)} "
+                          "(target vs draft); only a self-draft (a quantized copy of the target) can share it: "
+                          "set draft_kv to 'own' in engine_config.json.")
 
 
 def _quantize(model: Transformer, scheme: str) -> Transformer:

@@ -57,7 +57,14 @@ class NgramProposer:
 
 
 class DraftModelProposer(CachedRunner):
+    """`shares_target_kv`: the cache is the target's (a self-draft, engine `draft_kv="shared"`): the draft reads the
+    target's K/V for every accepted position and writes only at n-1.., which the round's verify overwrites."""
+
     length_attr = "draft_len"
+
+    def __init__(self, model, cache, device, *, shares_target_kv: bool = False):
+        super().__init__(model, cache, device)
+        self.shares_target_kv = shares_target_kv
 
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int], stop_early: Callable[[], bool] | None = None) -> list[Proposal]:
@@ -72,6 +79,9 @@ class DraftModelProposer(CachedRunner):
             return out
         drafted: dict[int, list[int]] = {i: [] for i in live}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        if self.shares_target_kv:               # the target's cache holds 0..target_len-1 = 0..n-2 already
+            for i in live:
+                seqs[i].draft_len = seqs[i].target_len
         # Catch-up: feed tokens[draft_len:n] so the cache holds every accepted token.
         rows = [seqs[i].tokens[seqs[i].draft_len:] for i in live]
         starts = [seqs[i].draft_len for i in live]

@@ -36,7 +36,7 @@ import torch
 
 from specbuild.engines.embedded.acceptor import (EXACT, UNSAFE_ALWAYS_ACCEPT, Accepted, always_accept,
                                                  greedy_accept, rejection_accept)
-from specbuild.engines.embedded.adaptive import CostModel, choose_batch_k, cost_models, prior_alphas
+from specbuild.engines.embedded.adaptive import CostModel, OnlineCosts, choose_batch_k, cost_models, prior_alphas
 from specbuild.engines.embedded.errors import EngineUnavailableError
 from specbuild.engines.embedded.kvcache import SlotAllocator
 from specbuild.engines.embedded.proposers import DraftModelProposer, NgramProposer, Proposal
@@ -53,9 +53,10 @@ class Scheduler:
                  max_batch_size: int, clock: Callable[[], float] = time.perf_counter,
                  costs: dict[str, CostModel] | None = None, spec_max_concurrency: int | None = None,
                  acceptance_rule: str = EXACT, max_waiting: int | None = None,
-                 queue_timeout_s: float | None = None):
+                 queue_timeout_s: float | None = None, online_costs: bool = True):
         self.scorer, self.draft, self.ngram = scorer, draft, ngram
         self.costs = costs or cost_models(None)                  # proposer -> CostModel (adaptive K)
+        self.online = OnlineCosts() if online_costs else None    # step costs measured while serving
         self.alpha_prior = prior_alphas(None)                    # proposer -> alpha_hat a new sequence starts at
         self.spec_max_concurrency = spec_max_concurrency         # None = speculate at any concurrency
         self.acceptance_rule = acceptance_rule
@@ -139,20 +140,28 @@ class Scheduler:
         cutoff = self.spec_max_concurrency is not None and len(seqs) > self.spec_max_concurrency
         if cutoff:
             self.cutoff_steps_total += 1
-        ks = [self._effective_k(s, cutoff) for s in seqs]
+        n = len(seqs)
+        explore = (self.online is not None and not any(s.forced_k for s in seqs)
+                   and self.online.wants_plain(n))
+        ks = [self._effective_k(s, cutoff, n, explore) for s in seqs]
         self._share_adaptive_k(seqs, ks)
         t0 = self.clock()
         proposals = self._contained("propose", seqs, lambda ss, ix: self._propose(ss, [ks[i] for i in ix]))
+        t1 = self.clock()
         if self.draft is not None and any(k > 0 and s.proposer == "draft" for s, k in zip(seqs, ks)) \
                 and self._admission_pending():
             # A request arrived while the draft ran (drafting stopped early for it): prefill it and stream its
             # first token now, before this round's verify, so it waits for at most one draft step — less than
             # the target step it would wait for without speculation. Its draft prefill is the next step's.
             self._admit(catch_up=False)
-        t1 = self.clock()
+        t1b = self.clock()
         logits = self._contained("score", seqs, lambda ss, ix: self.scorer.score(
             ss, [proposals[i].token_ids for i in ix]), skip=proposals)
         t2 = self.clock()
+        if self.online is not None:
+            drafted = [len(p.token_ids) for s, p in zip(seqs, proposals) if p is not None and s.proposer == "draft"]
+            sent = [len(p.token_ids) for p in proposals if p is not None]
+            self.online.observe(n, max(sent, default=0), max(drafted, default=0), t1 - t0, t2 - t1b)
         results = self._contained("accept", seqs, lambda ss, ix: self._accept(
             ss, [proposals[i] for i in ix], [logits[i] for i in ix]), skip=logits)
         t3 = self.clock()
@@ -160,16 +169,17 @@ class Scheduler:
             for s, k, p, acc in zip(seqs, ks, proposals, results):
                 if s.finished or acc is None:          # aborted while the step ran, or failed alone
                     continue
-                for stage, dt in (("propose", t1 - t0), ("score", t2 - t1), ("accept", t3 - t2)):
+                for stage, dt in (("propose", t1 - t0), ("score", t2 - t1b), ("accept", t3 - t2)):
                     s.stats.add_time(stage, dt)
                 s.stats.observe_draft(len(p.token_ids), acc.num_accepted)
                 s.stats.observe_step(len(p.token_ids), cutoff=cutoff and not s.forced_k and (s.num_draft_tokens > 0))
                 if s.adaptive is not None:
                     s.adaptive.observe(len(p.token_ids), acc.num_accepted)
                 n_before = len(s.tokens)
-                if s.proposer == "draft" and k > 0:
-                    s.draft_len = n_before + min(acc.num_accepted, len(p.token_ids) - 1)
                 s.target_len = n_before + acc.num_accepted       # [last, accepted drafts] are now cached
+                if s.proposer == "draft" and k > 0:
+                    s.draft_len = s.target_len if self.draft.shares_target_kv else \
+                        n_before + min(acc.num_accepted, len(p.token_ids) - 1)
                 try:
                     self._append(s, acc.output_token_ids)
                 except Exception as e:  # noqa: BLE001 - a stop-string / detokenizer bug stops this request only
@@ -290,19 +300,28 @@ class Scheduler:
         waiting = self.waiting
         return bool(waiting) and (self.slots.num_free > 0 or any(s.slot >= 0 for s in list(waiting)))
 
-    def _effective_k(self, s: Sequence, cutoff: bool) -> int:
+    def _cost(self, proposer: str, n: int) -> CostModel:
+        """The cost model adaptive K uses at n sequences: measured online once there is enough, else the build's."""
+        base = self.costs[proposer]
+        return self.online.model(n, base) if self.online is not None else base
+
+    def _effective_k(self, s: Sequence, cutoff: bool, n: int = 1, explore: bool = False) -> int:
         if (cutoff and not s.forced_k) or s.num_draft_tokens <= 0:
             return 0
         # Never draft past max_tokens: a step emits at most K + 1 tokens.
         k = max(0, min(s.num_draft_tokens, s.params.max_tokens - s.num_generated - 1))
         if s.adaptive is not None:
-            k = s.adaptive.next_k(self.costs[s.proposer], k)
+            k = s.adaptive.next_k(self._cost(s.proposer, n), k)
+            if explore and k > 0:                    # a plain step to keep the online baseline measured
+                k = 0
+                s.adaptive.history[-1] = 0
         return k
 
     def _share_adaptive_k(self, seqs: list[Sequence], ks: list[int]) -> None:
         """With several adaptive sequences of one proposer in the step, give them one batch-optimal K
         (`adaptive.choose_batch_k`) instead of each its own, which would make the batch pay for the largest."""
-        for proposer, cost in self.costs.items():
+        for proposer in self.costs:
+            cost = self._cost(proposer, len(seqs))
             idx = [i for i, s in enumerate(seqs) if s.adaptive is not None and s.proposer == proposer
                    and s.num_draft_tokens > 0]
             if len(idx) < 2:
@@ -482,6 +501,12 @@ class Scheduler:
         drafting then (but for requests that forced their K), so a batch above the cut-off never pays for draft
         prefill."""
         if self.draft is None:
+            return
+        if self.draft.shares_target_kv:        # nothing to prefill: the draft reads the target's cache
+            with self.lock:
+                for s in self.running:
+                    if s.proposer == "draft" and not s.finished:
+                        s.draft_len = s.target_len
             return
         with self.lock:
             live = [s for s in self.running if not s.finished]
