@@ -32,7 +32,7 @@ test-fast:
 demo:
 	bash scripts/demo.sh "$(WORKDIR)"
 
-# 2 runs per cell at full length: 3 runs took 20 min 5 s on the 2-core VM (403 + 477 + 317 s + builds); 2 fit 15.
+# 2 runs per cell at full length: 9.6 min on the 2-core VM (208 + 230 + 139 s, 2026-12-01 with oneDNN linears).
 bench:
 	$(BIN)/python bench/bench_engine.py --runs 2 --out bench/results/engine.json
 	$(BIN)/python bench/bench_served.py --runs 2 --out bench/results/served.json
