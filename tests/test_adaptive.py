@@ -331,5 +331,10 @@ def test_a_draft_that_is_slow_here_is_turned_off_by_measured_costs(tiny_llama, m
         runs = [eng.generate(PROMPTS[0], params) for _ in range(2)]
         assert all(r.token_ids == plain for r in runs)
         outs[online] = runs[-1].stats.num_draft_tokens
+        m = eng.metrics()
+        if online:                                # what an operator sees: the measured c, well above 1
+            assert m["draft_cost_source"] == "online" and m["draft_cost_ratio"] > 1.0 and m["target_step_ms"] > 0
+        else:
+            assert m["draft_cost_source"] == "defaults" and m["target_step_ms"] == 0.0
     assert outs[False] >= 30                    # priced by the default model: keeps drafting
     assert outs[True] <= 8                      # measured: a few probes at most

@@ -170,6 +170,9 @@ def test_metrics_present_and_moving(running_server):
     assert delta(after, "specbuild_accepted_tokens_total") == gen.total_accepted_draft_tokens
     drafted, accepted = metric(after, "specbuild_draft_tokens_total"), metric(after, "specbuild_accepted_tokens_total")
     assert metric(after, "specbuild_acceptance_rate") == pytest.approx(accepted / drafted)
+    # what adaptive K prices the draft with: the build's calibrated c until the serving loop has measured it
+    assert metric(after, "specbuild_draft_cost_ratio") > 0
+    assert metric(after, "specbuild_target_step_ms") >= 0 and "specbuild_spec_cutoff_steps_total" in after
     assert after['nv_inference_request_success{model="tensorrt_llm_bls",version="1"}'] > \
         before.get('nv_inference_request_success{model="tensorrt_llm_bls",version="1"}', 0)
 

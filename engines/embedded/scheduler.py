@@ -57,6 +57,7 @@ class Scheduler:
         self.scorer, self.draft, self.ngram = scorer, draft, ngram
         self.costs = costs or cost_models(None)                  # proposer -> CostModel (adaptive K)
         self.online = OnlineCosts() if online_costs else None    # step costs measured while serving
+        self._last_n = 0                                         # sequences in the latest step (metrics)
         self.alpha_prior = prior_alphas(None)                    # proposer -> alpha_hat a new sequence starts at
         self.spec_max_concurrency = spec_max_concurrency         # None = speculate at any concurrency
         self.acceptance_rule = acceptance_rule
@@ -140,7 +141,7 @@ class Scheduler:
         cutoff = self.spec_max_concurrency is not None and len(seqs) > self.spec_max_concurrency
         if cutoff:
             self.cutoff_steps_total += 1
-        n = len(seqs)
+        n = self._last_n = len(seqs)
         explore = (self.online is not None and not any(s.forced_k for s in seqs)
                    and self.online.wants_plain(n))
         ks = [self._effective_k(s, cutoff, n, explore) for s in seqs]
@@ -161,7 +162,8 @@ class Scheduler:
         if self.online is not None:
             drafted = [len(p.token_ids) for s, p in zip(seqs, proposals) if p is not None and s.proposer == "draft"]
             sent = [len(p.token_ids) for p in proposals if p is not None]
-            self.online.observe(n, max(sent, default=0), max(drafted, default=0), t1 - t0, t2 - t1b)
+            with self.lock:                          # metrics() reads the samples from other threads
+                self.online.observe(n, max(sent, default=0), max(drafted, default=0), t1 - t0, t2 - t1b)
         results = self._contained("accept", seqs, lambda ss, ix: self._accept(
             ss, [proposals[i] for i in ix], [logits[i] for i in ix]), skip=logits)
         t3 = self.clock()
@@ -473,7 +475,18 @@ class Scheduler:
                 "rejected_total": self.rejected_total,
                 "failed_total": self.failed_total,
                 "spec_cutoff_steps_total": self.cutoff_steps_total,
+                **self._measured_costs(),
             }
+
+    def _measured_costs(self) -> dict:
+        """What adaptive K prices the draft with now, at the concurrency of the latest step: c (draft step / plain
+        step) and the plain step in ms, measured while serving (online) or else the build's calibration."""
+        n = self._last_n or 1
+        model = self._cost("draft", n) if self.draft is not None else None
+        plain = (self.online.snapshot().get(n) or {}).get("plain_ms") if self.online is not None else None
+        return {"draft_cost_ratio": model.cost_ratio if model is not None else 0.0,
+                "draft_cost_source": model.source if model is not None else "none",
+                "target_step_ms": plain or 0.0, "cost_concurrency": n}
 
     # ---- prefill helpers (used by `_admit`) -------------------------------------------------------
     prefill_token_budget: int = 256     # prompt tokens fed per step while other sequences run (chunk size)

@@ -47,6 +47,13 @@ METRICS = (  # (frontend metrics key, metric name, kind, help)
      "continuous batching"),
     ("slots_free", "specbuild_slots_free", GAUGE, "Free batch slots (all of them when idle: none leaked)"),
     ("live", "specbuild_live_requests", GAUGE, "Requests registered and not yet answered in full"),
+    ("spec_cutoff_steps_total", "specbuild_spec_cutoff_steps_total", COUNTER,
+     "Steps with more sequences than spec_max_concurrency (no drafting by default)"),
+    ("draft_cost_ratio", "specbuild_draft_cost_ratio", GAUGE,
+     "c = draft step / plain target step that adaptive K prices K with, at the latest step's concurrency "
+     "(measured while serving, else the build's calibration)"),
+    ("target_step_ms", "specbuild_target_step_ms", GAUGE,
+     "Plain target step measured while serving at the latest step's concurrency (median, ms; 0 = none yet)"),
 )
 ERROR_CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "internal": "INTERNAL"}
 
