@@ -260,13 +260,17 @@ class OnlineCosts:
             c = statistics.median(steps) / t_plain
         return CostModel(c, a, b, "online")
 
+    def plain_ms(self, n: int) -> float | None:
+        """Median plain target step at n sequences (ms), None before any."""
+        return 1000 * statistics.median(self.plain[n]) if self.plain.get(n) else None
+
     def snapshot(self) -> dict:
-        """Medians per n (ms) for metrics and benchmarks."""
+        """Medians per n (ms) for benchmarks."""
         out = {}
         for n in sorted(set(self.plain) | {m for m, _ in self.verify}):
             row = {}
             if self.plain.get(n):
-                row["plain_ms"] = 1000 * statistics.median(self.plain[n])
+                row["plain_ms"] = self.plain_ms(n)
             if self.draft_step.get(n):
                 row["draft_step_ms"] = 1000 * statistics.median(self.draft_step[n])
             row["verify_ms"] = {k: 1000 * statistics.median(self.verify[(n, k)]) for k in self.verify_keys(n)}

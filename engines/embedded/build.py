@@ -50,19 +50,23 @@ def _checkpoint_dirs(ctx: StageContext) -> tuple[Path, Path | None]:
     return target, (draft if (draft / "config.json").is_file() else None)
 
 
-def _draft_kv(target_src: Path, draft_src: Path | None) -> str:
-    """"shared" when the draft checkpoint is the target's (same config.json, same weight files by sha256): its
-    quantized copy then attends over the target's KV cache (engine.py `draft_kv`); else "own"."""
-    from specbuild.pipeline.manifest import sha256_file
-
+def _draft_kv(ctx: StageContext, target_src: Path, draft_src: Path | None) -> str:
+    """"shared" when the draft checkpoint is the target's (same config.json and weight files by sha256): its
+    quantized copy then attends over the target's KV cache (engine.py `draft_kv`); else "own". The digests are
+    the ones convert recorded in its manifest (`outputs.<role>.files`), else the workspace's hash cache."""
     if draft_src is None:
         return "own"
-    if json.loads((target_src / "config.json").read_text()) != json.loads((draft_src / "config.json").read_text()):
+    names = ["config.json"] + [f.name for f in _weights(target_src)]
+    if [f.name for f in _weights(draft_src)] != names[1:] or len(names) < 2:
         return "own"
-    tw, dw = _weights(target_src), _weights(draft_src)
-    if [f.name for f in tw] != [f.name for f in dw] or not tw:
-        return "own"
-    return "shared" if all(sha256_file(a) == sha256_file(b) for a, b in zip(tw, dw)) else "own"
+    outputs = (ctx.upstream or {}).get("outputs") or {}
+
+    def digest(role: str, src: Path, name: str) -> str:
+        recorded = ((outputs.get(role) or {}).get("files") or {}).get(name)
+        return recorded or ctx.hashes.sha256(src / name)
+
+    same = all(digest("target", target_src, n) == digest("draft", draft_src, n) for n in names)
+    return "shared" if same else "own"
 
 
 def _weights(src: Path) -> list[Path]:
@@ -195,7 +199,7 @@ def _crossover(engine, opts: dict[str, Any], *, has_draft: bool, default_k: int,
 
 def run(ctx: StageContext) -> StageResult:
     target_src, draft_src = _checkpoint_dirs(ctx)
-    opts = {**ctx.options, "draft_kv": _draft_kv(target_src, draft_src)}
+    opts = {**ctx.options, "draft_kv": _draft_kv(ctx, target_src, draft_src)}
     use_draft = opts["proposer"] == "draft" or opts["draft_quantize"] is not None
     if opts["proposer"] == "draft" and draft_src is None:
         raise UsageError(f"--proposer draft needs a draft checkpoint, but {ctx.upstream_dir} has none; "
@@ -269,7 +273,7 @@ def run(ctx: StageContext) -> StageResult:
 
 def plan(ctx: StageContext) -> list[PlanStep]:
     target_src, draft_src = _checkpoint_dirs(ctx)
-    opts = {**ctx.options, "draft_kv": _draft_kv(target_src, draft_src)}
+    opts = {**ctx.options, "draft_kv": _draft_kv(ctx, target_src, draft_src)}
     out = Path(ctx.out_dir)
     steps = [PlanStep("note", note=f"embedded build: weights in {opts['dtype']} on {opts['device']}")]
     for f in _weights(target_src):

@@ -11,11 +11,12 @@ Measured on the 2-core AVX2 VM (torch 2.13.0+cpu, MKL 2024.2, oneDNN 3.12, 2 thr
 | gate_up 3072x576 | 163 / 146 | 331 / 140 | 490 / 286 | 6160 / 6446 |
 | lm_head 49152x576 | 8789 / 4090 | 17825 / 4526 | 18339 / 7443 | 162231 / 121305 |
 
-It is also **batch-invariant**: a row's output is bitwise the same whether it is computed alone or with 1, 4 or
-8 other rows (aten's differs by ~5e-5 between 1 row and 2), so a target's verify of [last, d1..dK] computes the
-same logits for each position as K+1 single steps would (asserted in tests/test_kernels.py). Speculation is then
-lossless at the kernel level too, not only up to float noise — the property TensorRT-LLM and vLLM users look for
-under the name "batch invariance".
+Its rows are also **batch-invariant**: a row's output is bitwise the same whether it is computed alone or with
+1, 4 or 8 other rows (aten's differs by ~5e-5 between 1 row and 2), so a request's logits do not depend on which
+other requests share its batch (asserted on the whole model in tests/test_kernels.py) — the property vLLM and
+TensorRT-LLM users look for under the name "batch invariance". Not claimed: a verify of [last, d1..dK] equals K+1
+single steps bitwise; attention over a masked, longer key range still differs at ~7e-5 (measured), so greedy
+speculation is lossless up to float ties, as before.
 
 `torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise` are the ops PyTorch's own inductor emits for
 frozen CPU linears (torch/_inductor/fx_passes/mkldnn_fusion.py). They are private, so `pack_linears_` probes them

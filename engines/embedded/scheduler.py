@@ -144,8 +144,9 @@ class Scheduler:
         n = self._last_n = len(seqs)
         explore = (self.online is not None and not any(s.forced_k for s in seqs)
                    and self.online.wants_plain(n))
-        ks = [self._effective_k(s, cutoff, n, explore) for s in seqs]
-        self._share_adaptive_k(seqs, ks)
+        costs = {p: self._cost(p, n) for p in self.costs}          # this step's cost model per proposer
+        ks = [self._effective_k(s, cutoff, costs, explore) for s in seqs]
+        self._share_adaptive_k(seqs, ks, costs)
         t0 = self.clock()
         proposals = self._contained("propose", seqs, lambda ss, ix: self._propose(ss, [ks[i] for i in ix]))
         t1 = self.clock()
@@ -307,23 +308,22 @@ class Scheduler:
         base = self.costs[proposer]
         return self.online.model(n, base) if self.online is not None else base
 
-    def _effective_k(self, s: Sequence, cutoff: bool, n: int = 1, explore: bool = False) -> int:
+    def _effective_k(self, s: Sequence, cutoff: bool, costs: dict[str, CostModel], explore: bool = False) -> int:
         if (cutoff and not s.forced_k) or s.num_draft_tokens <= 0:
             return 0
         # Never draft past max_tokens: a step emits at most K + 1 tokens.
         k = max(0, min(s.num_draft_tokens, s.params.max_tokens - s.num_generated - 1))
         if s.adaptive is not None:
-            k = s.adaptive.next_k(self._cost(s.proposer, n), k)
+            k = s.adaptive.next_k(costs[s.proposer], k)
             if explore and k > 0:                    # a plain step to keep the online baseline measured
                 k = 0
                 s.adaptive.history[-1] = 0
         return k
 
-    def _share_adaptive_k(self, seqs: list[Sequence], ks: list[int]) -> None:
+    def _share_adaptive_k(self, seqs: list[Sequence], ks: list[int], costs: dict[str, CostModel]) -> None:
         """With several adaptive sequences of one proposer in the step, give them one batch-optimal K
         (`adaptive.choose_batch_k`) instead of each its own, which would make the batch pay for the largest."""
-        for proposer in self.costs:
-            cost = self._cost(proposer, len(seqs))
+        for proposer, cost in costs.items():
             idx = [i for i, s in enumerate(seqs) if s.adaptive is not None and s.proposer == proposer
                    and s.num_draft_tokens > 0]
             if len(idx) < 2:
@@ -483,7 +483,7 @@ class Scheduler:
         step) and the plain step in ms, measured while serving (online) or else the build's calibration."""
         n = self._last_n or 1
         model = self._cost("draft", n) if self.draft is not None else None
-        plain = (self.online.snapshot().get(n) or {}).get("plain_ms") if self.online is not None else None
+        plain = self.online.plain_ms(n) if self.online is not None else None
         return {"draft_cost_ratio": model.cost_ratio if model is not None else 0.0,
                 "draft_cost_source": model.source if model is not None else "none",
                 "target_step_ms": plain or 0.0, "cost_concurrency": n}
@@ -515,12 +515,8 @@ class Scheduler:
         prefill."""
         if self.draft is None:
             return
-        if self.draft.shares_target_kv:        # nothing to prefill: the draft reads the target's cache
-            with self.lock:
-                for s in self.running:
-                    if s.proposer == "draft" and not s.finished:
-                        s.draft_len = s.target_len
-            return
+        if self.draft.shares_target_kv:        # nothing to prefill: the draft reads the target's cache (propose
+            return                             # sets draft_len = target_len)
         with self.lock:
             live = [s for s in self.running if not s.finished]
             cutoff = self.spec_max_concurrency is not None and len(live) > self.spec_max_concurrency
