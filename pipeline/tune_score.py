@@ -112,30 +112,34 @@ def choose_default(per_profile: dict[str, dict[str, Any]]) -> dict[str, Any] | N
     """The one default for the deployment: the setting with the least summed regret across profiles.
 
     Regret of a setting in a profile = how much worse its primary score is than that profile's winner
-    (lower-is-better: value / best - 1; higher-is-better: best / value - 1). A setting invalid in any
+    (lower-is-better: value / best - 1; higher-is-better: best / value - 1), never below 0: a setting inside
+    the winner's tie band may score a little better and still have lost the tie-break (`choose_winner`). Equal
+    summed regret goes to the setting that wins more profiles, then the smaller K. A setting invalid in any
     profile is not eligible. With one profile this is that profile's winner.
     """
     totals: dict[str, float] = {}
+    wins: dict[str, int] = {}
     first: dict[str, dict[str, Any]] = {}
     eligible: set[str] | None = None
     for prof in per_profile.values():
         if prof["winner"] is None:
             return None
         best, higher = prof["winner"]["score"], prof["objective"]["higher_is_better"]
+        wins[prof["winner"]["label"]] = wins.get(prof["winner"]["label"], 0) + 1
         labels = set()
         for r in prof["settings"]:
             if not r["valid"]:
                 continue
             s = r["score"]
             regret = (best / s - 1 if s > 0 else float("inf")) if higher else (s / best - 1 if best > 0 else 0.0)
-            totals[r["label"]] = totals.get(r["label"], 0.0) + regret
+            totals[r["label"]] = totals.get(r["label"], 0.0) + max(regret, 0.0)
             first.setdefault(r["label"], r)
             labels.add(r["label"])
         eligible = labels if eligible is None else eligible & labels
     if not eligible:
         return None
     order = list(first)
-    label = min(eligible, key=lambda lb: (round(totals[lb], 9), first[lb]["k"], order.index(lb)))
+    label = min(eligible, key=lambda lb: (round(totals[lb], 9), -wins.get(lb, 0), first[lb]["k"], order.index(lb)))
     r = first[label]
     return {"label": label, "k": r["k"], "proposer": r["proposer"], "summed_regret": totals[label],
             "rule": "least summed regret vs each profile's winner (primary score)"}
