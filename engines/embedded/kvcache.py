@@ -30,10 +30,17 @@ class KVCache:
 
 
 class SlotAllocator:
-    """Hands out cache slots 0..n-1; lowest free first so a batch of one keeps using slot 0 (a view, no gather)."""
+    """Hands out cache slots 0..n-1; lowest free first so a batch of one keeps using slot 0 (a view, no gather).
+
+    A freed slot is *released*, not yet reusable: the step that was running when its request ended may still
+    write it (the request was in that step's draft or verify batch; aborts come from other threads). `reclaim()`
+    makes released slots allocatable and is called by the stepping thread at the start of a step, before any
+    admission, so a slot is never handed to a new request while a write of its old one can still land (the
+    soak's wrong answer, tests/test_slot_reuse.py)."""
 
     def __init__(self, n: int):
         self._free = list(range(n))
+        self._released: list[int] = []
         self._lock = threading.Lock()
 
     def alloc(self) -> int:
@@ -46,10 +53,22 @@ class SlotAllocator:
 
     def free(self, slot: int) -> None:
         with self._lock:
-            if slot in self._free:
+            if slot in self._free or slot in self._released:
                 raise RuntimeError(f"slot {slot} freed twice")
-            self._free.append(slot)
+            self._released.append(slot)
+
+    def reclaim(self) -> None:
+        """Step boundary (stepping thread only): released slots become allocatable."""
+        with self._lock:
+            self._free.extend(self._released)
+            self._released.clear()
 
     @property
     def num_free(self) -> int:
+        """Slots no request holds (released ones included): what an operator sees as free."""
+        return len(self._free) + len(self._released)
+
+    @property
+    def num_available(self) -> int:
+        """Slots `alloc` can hand out in this step."""
         return len(self._free)

@@ -132,6 +132,7 @@ class Scheduler:
 
     @torch.inference_mode()
     def _step(self) -> None:
+        self.slots.reclaim()            # slots freed during the last step are reusable from here on
         self._expire_waiting()
         self._admit()
         with self.lock:
@@ -256,7 +257,7 @@ class Scheduler:
             cands: list[Sequence] = []
             for seq in self.waiting:
                 if seq.slot < 0:
-                    if not self.slots.num_free:
+                    if not self.slots.num_available:
                         break
                     seq.slot = self.slots.alloc()
                 cands.append(seq)
@@ -301,7 +302,7 @@ class Scheduler:
         """A request the next step would admit (a free slot, or one already mid-prefill) is waiting: drafting
         stops early so its first token is not held back by a whole speculation round (lock-free read)."""
         waiting = self.waiting
-        return bool(waiting) and (self.slots.num_free > 0 or any(s.slot >= 0 for s in list(waiting)))
+        return bool(waiting) and (self.slots.num_available > 0 or any(s.slot >= 0 for s in list(waiting)))
 
     def _cost(self, proposer: str, n: int) -> CostModel:
         """The cost model adaptive K uses at n sequences: measured online once there is enough, else the build's."""
@@ -410,8 +411,9 @@ class Scheduler:
         if s in self.running:
             self.running.remove(s)
         if s.slot >= 0 and not s.slot_released:
-            # Free at once. A step still running with this sequence may write its slot once more; that is
-            # harmless because the slot is only reused at the next step's admission (same thread).
+            # Free at once (released): a step still running with this sequence may write its slot once more,
+            # so the slot is only reusable from the next step on (SlotAllocator.reclaim), not by this step's
+            # mid-round admission.
             self.slots.free(s.slot)
             s.slot_released = True
         self.by_id.pop(s.request_id, None)
