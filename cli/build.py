@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from specbuild.pipeline.build import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS, build
-from specbuild.cli.options import backend_option, dry_run_option, force_option, workdir_option
+from specbuild.cli.options import (backend_option, dry_run_option, force_option, rehearse_option,
+                                   trtllm_generation_option, workdir_option)
 
 
 def _stderr(msg: str) -> None:
@@ -55,12 +56,14 @@ def _stderr(msg: str) -> None:
 @click.option("--crossover/--no-crossover", default=True, show_default=True,
               help="Measure where speculation stops paying (speedup vs plain decoding at rising concurrency, "
                    "a few seconds) and make it the default --spec-max-concurrency (embedded, with calibration).")
+@trtllm_generation_option
+@rehearse_option
 @dry_run_option
 @force_option
 def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, num_draft_tokens, proposer,
                   draft_quantize, dtype, device, threads, calibrate, trtllm_version, max_input_len, max_num_tokens,
-                  use_draft_logits, tp, pp, container_tag, adaptive_k, spec_max_concurrency, crossover, dry_run,
-                  force):
+                  use_draft_logits, tp, pp, container_tag, adaptive_k, spec_max_concurrency, crossover,
+                  trtllm_generation, rehearse, dry_run, force):
     """Build WORKDIR/engines/ from the converted checkpoints in WORKDIR/checkpoints/.
 
     The embedded backend writes the engine directory, runs a smoke generation
@@ -75,6 +78,7 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
       specbuild build --proposer ngram --max-batch-size 4 --force
       specbuild build --draft-quantize int8 --adaptive-k --spec-max-concurrency 3
       specbuild build --backend trtllm --max-draft-len 4 --dry-run
+      specbuild build --backend trtllm --rehearse
     """
     if backend == "trtllm":  # flags left at their (embedded) defaults: what convert recorded, else trtllm's defaults
         from specbuild.engines.trtllm.common import cli_defaults
@@ -89,7 +93,8 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
                    num_draft_tokens=num_draft_tokens, force=force, dry_run=dry_run, trtllm_version=trtllm_version,
                    max_input_len=max_input_len, max_num_tokens=max_num_tokens, use_draft_logits=use_draft_logits,
                    tp=tp, pp=pp, container_tag=container_tag, adaptive_k=adaptive_k,
-                   spec_max_concurrency=spec_max_concurrency, crossover=crossover, progress=_stderr)
+                   spec_max_concurrency=spec_max_concurrency, crossover=crossover,
+                   trtllm_generation=trtllm_generation, rehearse=rehearse, progress=_stderr)
     if result.plan is not None:
         click.echo("\n".join(step.render() for step in result.plan))
         return

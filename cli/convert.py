@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from specbuild.pipeline.checks import failures, format_table, run_checks
-from specbuild.cli.options import backend_option, dry_run_option, force_option, workdir_option
+from specbuild.cli.options import (backend_option, dry_run_option, force_option, rehearse_option,
+                                   trtllm_generation_option, workdir_option)
 from specbuild.pipeline.convert import DTYPES, QUANTIZATIONS, convert
 from specbuild.pipeline.sources import resolve
 
@@ -68,11 +69,13 @@ def check_command(target, draft, allow_pickle, trust_remote_code, backend, force
 @click.option("--quantization", type=click.Choice(QUANTIZATIONS), default=None,
               help="Weight quantization (trtllm only). Default: none.")
 @click.option("--trtllm-version", default=None, metavar="VERSION",
-              help="TensorRT-LLM version to target (trtllm only). Default: the installed one.")
+              help="TensorRT-LLM version to target (trtllm only). Default: the installed one, else 1.2.1.")
+@trtllm_generation_option
+@rehearse_option
 @dry_run_option
 @force_option
 def convert_command(target, draft, allow_pickle, trust_remote_code, workdir, backend, dtype, tp, pp, quantization,
-                    trtllm_version, dry_run, force):
+                    trtllm_version, trtllm_generation, rehearse, dry_run, force):
     """Check a target/draft pair and write normalized checkpoints to WORKDIR/checkpoints/.
 
     Refuses (exit 1) when a pre-flight check fails. Re-running with the same inputs
@@ -83,13 +86,15 @@ def convert_command(target, draft, allow_pickle, trust_remote_code, workdir, bac
       specbuild convert --target demo:smollm2-135m-instruct --draft ./my-draft
       specbuild convert --target ./qwen2-7b --draft ./qwen2-0.5b --dtype bfloat16 --workdir /data/work
       specbuild convert --target ./llama-8b --draft ./llama-1b --backend trtllm --tp 2 --dry-run
+      specbuild convert --target ./llama-8b --draft ./llama-1b --backend trtllm --trtllm-generation engine --rehearse
     """
     if backend == "trtllm" and click.get_current_context().get_parameter_source("dtype") is \
             click.core.ParameterSource.DEFAULT:
         dtype = "float16"  # the trtllm default (upstream's DTM recipe); float32 is the embedded CPU default
     result = convert(target, draft, workdir=workdir, backend=backend, dtype=dtype, tp=tp, pp=pp, force=force,
                      allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, dry_run=dry_run,
-                     trtllm_version=trtllm_version, quantization=quantization, progress=_stderr)
+                     trtllm_version=trtllm_version, quantization=quantization, trtllm_generation=trtllm_generation,
+                     rehearse=rehearse, progress=_stderr)
     for c in result.checks:
         if c.status == "warn":
             _stderr(f"warning: {c.name}: {c.message}")
@@ -98,6 +103,13 @@ def convert_command(target, draft, allow_pickle, trust_remote_code, workdir, bac
         return
     state = "up to date (nothing to do)" if result.skipped else "converted"
     click.echo(f"{state} in {result.seconds:.1f}s: {result.out_dir}")
+    if backend == "trtllm":
+        extra = result.manifest.get("extra", {})
+        recipe = extra.get("recipe", {})
+        click.echo(f"  TensorRT-LLM {recipe.get('trtllm_version')} ({recipe.get('generation')} path)"
+                   + (": a rehearsal (plan recorded in rehearsal_plan.json, Hugging Face checkpoints kept in hf/); "
+                      "next: specbuild build --backend trtllm --rehearse" if extra.get("rehearsal") else ""))
+        return
     for role in ("target", "draft"):
         out = result.manifest.get("outputs", {}).get(role, {})
         resized = out.get("vocab_resized")

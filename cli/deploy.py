@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from specbuild.cli.options import backend_option, dry_run_option, force_option, workdir_option
+from specbuild.cli.options import (backend_option, dry_run_option, force_option, rehearse_option,
+                                   trtllm_generation_option, workdir_option)
 from specbuild.pipeline.deploy import deploy
 from specbuild.pipeline.errors import UsageError
 
@@ -50,10 +51,12 @@ def _trtllm_options(f):
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, help="Pods for --kubernetes.")
 @click.option("--pvc", default="specbuild-work", show_default=True,
               help="PersistentVolumeClaim holding the workspace, for --kubernetes.")
+@trtllm_generation_option
+@rehearse_option
 @dry_run_option
 @force_option
 def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logits, kubernetes, image, replicas, pvc,
-                   dry_run, force, **trtllm):
+                   trtllm_generation, rehearse, dry_run, force, **trtllm):
     """Package WORKDIR/engines/ into a Triton model repository in WORKDIR/model_repository/.
 
     The client-facing models are `ensemble` and `tensorrt_llm_bls` (upstream names and
@@ -66,6 +69,7 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
       specbuild deploy --workdir /data/work --threads 8
       specbuild deploy --dry-run
       specbuild deploy --backend trtllm --target-gpu-ids 0 --draft-gpu-ids 0 --fast-logits --dry-run
+      specbuild deploy --backend trtllm --rehearse     # then: specbuild serve --rehearse --backend-models-dir DIR
       specbuild deploy --kubernetes --image registry.example.com/specbuild:0.1 --replicas 2
     """
     if kubernetes and backend == "embedded" and not image:
@@ -74,6 +78,10 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
     extra = {k: v for k, v in trtllm.items() if v is not None}
     if fast_logits:
         extra["fast_logits"] = True
+    if trtllm_generation:
+        extra["trtllm_generation"] = trtllm_generation
+    if rehearse:
+        extra["rehearse"] = True
     if force and backend == "trtllm":
         extra["force_version"] = True  # also accept a TensorRT-LLM version outside the version table
     if extra and backend != "trtllm":
@@ -93,4 +101,7 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
 
         out = write(workdir, image=image, name="specbuild", claim=pvc, replicas=replicas)
         click.echo(f"  kubernetes: {out} (kubectl apply -f {out})")
-    click.echo(f"  next: specbuild serve --workdir {workdir}")
+    if result.manifest.get("extra", {}).get("rehearsal"):
+        click.echo(f"  next: specbuild serve --rehearse --backend-models-dir DIR --workdir {workdir}")
+    else:
+        click.echo(f"  next: specbuild serve --workdir {workdir}")

@@ -49,3 +49,15 @@ force_option = click.option(
     "--force", is_flag=True, default=False,
     help="Proceed despite refusable check failures (e.g. a draft larger than the target) and redo the "
          "stage even when it is up to date.")
+
+trtllm_generation_option = click.option(
+    "--trtllm-generation", type=click.Choice(["engine", "llmapi"]), default=None,
+    help="TensorRT-LLM path (trtllm only): engine = trtllm-build engines + Triton inflight_batcher_llm with the BLS "
+         "draft-target model (TensorRT-LLM <= 1.2.x); llmapi = PyTorch backend, speculative_config for Triton's "
+         "llmapi model and trtllm-serve (1.0-1.2.x). Default: llmapi from 1.0, engine before.")
+
+rehearse_option = click.option(
+    "--rehearse", is_flag=True, default=False,
+    help="trtllm only, on a machine without TensorRT-LLM: record the exact plan (argv, files) as --dry-run does, "
+         "keep what the CPU stand-in needs (the Hugging Face checkpoints) and write the real model repository, for "
+         "`specbuild serve --rehearse`. The manifests say it is a rehearsal; a GPU deploy refuses its engines.")

@@ -91,6 +91,7 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
           trtllm_version: str | None = None, max_input_len: int | None = None, max_num_tokens: int | None = None,
           use_draft_logits: bool = False, tp: int = 1, pp: int = 1, container_tag: str | None = None,
           adaptive_k: bool | None = None, spec_max_concurrency: int | None = None, crossover: bool = True,
+          trtllm_generation: str | None = None, rehearse: bool = False,
           progress: Callable[[str], None] | None = None) -> BuildResult:
     """Build `<workdir>/engines/` from `<workdir>/checkpoints/` with the chosen backend.
 
@@ -119,10 +120,13 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
         options["crossover"] = False
     if spec_max_concurrency is not None:
         options["spec_max_concurrency"] = spec_max_concurrency
+    if (trtllm_generation or rehearse) and backend != "trtllm":
+        raise UsageError("--trtllm-generation and --rehearse apply to --backend trtllm only.")
     if backend == "trtllm":
         options.update({"trtllm_version": trtllm_version, "max_input_len": max_input_len,
                         "max_num_tokens": max_num_tokens, "use_draft_logits": use_draft_logits,
-                        "tp": tp, "pp": pp, "container_tag": container_tag})
+                        "tp": tp, "pp": pp, "container_tag": container_tag,
+                        "trtllm_generation": trtllm_generation, "rehearse": rehearse or None})
         options = {k: v for k, v in options.items() if v is not None}
     outcome = run_stage("build", backend=backend, workdir=Path(workdir), options=options, inputs={},
                         upstream_stage="convert", force=force, dry_run=dry_run, progress=progress)

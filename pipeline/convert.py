@@ -65,17 +65,26 @@ def convert(target: str | os.PathLike, draft: str | os.PathLike, *, workdir: str
             backend: str = "embedded", dtype: str = "float32", tp: int = 1, pp: int = 1, force: bool = False,
             allow_pickle: bool = False, trust_remote_code: bool = False, dry_run: bool = False,
             trtllm_version: str | None = None, quantization: str | None = None,
+            trtllm_generation: str | None = None, rehearse: bool = False,
             progress: Callable[[str], None] | None = None) -> ConvertResult:
     """Resolve, check and convert a (target, draft) pair into `<workdir>/checkpoints/{target,draft}/`."""
     t0 = time.perf_counter()
     _validate(backend, dtype, tp, pp, quantization)
+    if (trtllm_generation or rehearse) and backend != "trtllm":
+        raise UsageError("--trtllm-generation and --rehearse apply to --backend trtllm only.")
     say = progress or (lambda msg: None)
     workdir = Path(workdir)
+    if backend == "trtllm":   # refuse an unsupported TensorRT-LLM recipe before anything is resolved or written
+        from specbuild.engines.trtllm.settings import settings_from
+        settings_from({"trtllm_version": trtllm_version, "trtllm_generation": trtllm_generation, "dtype": dtype,
+                       "tp": tp, "pp": pp, "quantization": quantization, "force": force})
     src_t = resolve(target, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, progress=say)
     src_d = resolve(draft, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, progress=say)
     options = {"dtype": dtype, "tp": tp, "pp": pp, "force": force, "allow_pickle": allow_pickle,
                "trust_remote_code": trust_remote_code, "target_dir": str(src_t.path), "draft_dir": str(src_d.path),
                "trtllm_version": trtllm_version, "quantization": quantization}
+    # trtllm-only keys only when set, so existing fingerprints stay valid
+    options.update({k: v for k, v in (("trtllm_generation", trtllm_generation), ("rehearse", rehearse)) if v})
     stage_kw = dict(backend=backend, workdir=workdir, options=options, force=force, dry_run=dry_run, progress=say)
     out_dir = stage_dir(workdir, "convert")
     if not dry_run and not force and (out_dir / MANIFEST).is_file():

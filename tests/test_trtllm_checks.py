@@ -69,21 +69,35 @@ def test_vocab_mismatch_names_the_fix():
 
 
 def test_version_matrix():
-    r = resolve()
+    r = resolve()                       # the default pin: the newest stable release, LLM-API path
+    assert (r.trtllm_version, r.generation, r.container) == ("1.2.1", LLMAPI, "nvcr.io/nvidia/tensorrt-llm/release:1.2.1")
+    r = resolve("1.2.1", generation=ENGINE)
+    assert (r.backend_family, r.container) == ("1.2", "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3")
+    r = resolve("0.18.0")
     assert (r.trtllm_version, r.generation, r.container) == (
         "0.18.0", ENGINE, "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3")
     assert resolve("1.0.0").generation == LLMAPI
-    with pytest.raises(UsageError, match="not in the version table"):    # 1.1 engine path: no backend release read
-        resolve("1.1.0", generation="engine", container_tag="my/tag:1")
-    forced = resolve("1.1.0", generation="engine", container_tag="my/tag:1", force=True)
-    assert (forced.container, forced.backend_family, forced.untested) == ("my/tag:1", "0.19", True)
+    for version, family, tag in (("0.20.0", "0.20", "25.06"), ("0.21.0", "0.21", "25.08"), ("1.0.0", "1.0", "25.09"),
+                                 ("1.1.0", "1.1", "25.12"), ("1.2.0", "1.2", "26.04")):
+        r = resolve(version, generation=ENGINE)
+        assert (r.backend_family, r.container, r.untested) == (
+            family, f"nvcr.io/nvidia/tritonserver:{tag}-trtllm-python-py3", False), version
+    with pytest.raises(UsageError, match="not in the version table"):    # 0.17: no backend release read
+        resolve("0.17.0", container_tag="my/tag:1")
+    forced = resolve("0.17.0", container_tag="my/tag:1", force=True)
+    assert (forced.container, forced.backend_family, forced.untested) == ("my/tag:1", "0.18", True)
     assert resolve("0.18.2").backend_family == "0.18" and resolve("0.19.0", container_tag="t:1").backend_family == "0.19"
     assert resolve(installed="0.18.2").detected is True
-    for bad in ("0.9.0", "1.2.0", "banana"):
+    for bad in ("0.9.0", "banana"):
         with pytest.raises(UsageError, match="supported TensorRT-LLM combinations"):
             resolve(bad)
-    with pytest.raises(UsageError, match="not in the version table"):
-        resolve("0.17.0")
+    # past the engine path's end: refused for it with the reason and the LLM-API alternative, even with --force
+    for force in (False, True):
+        with pytest.raises(UsageError, match="has no engine path.*deleted.*--trtllm-generation llmapi") as e:
+            resolve("1.3.0", generation=ENGINE, container_tag="x:1", force=force)
+        assert "#15907" in str(e.value)
+    with pytest.raises(UsageError, match="does not support the llmapi path"):
+        resolve("1.3.0")
     with pytest.raises(UsageError, match="--container-tag"):
         resolve("0.19.0")
     with pytest.raises(UsageError, match="tensorrt_llm 0.18.0 is installed"):

@@ -1,6 +1,7 @@
 """The trtllm path through the real CLI on a CPU box: every stage's --dry-run prints the exact plan and
 writes nothing; without --dry-run the missing tensorrt_llm is reported with the way out."""
 
+import pytest
 from click.testing import CliRunner
 
 from specbuild.cli.main import cli
@@ -10,21 +11,24 @@ def _run(*args):
     return CliRunner().invoke(cli, list(args))
 
 
-def test_dry_run_chain_prints_the_plan_and_writes_nothing(tiny_llama, tiny_llama_draft, tmp_path):
+@pytest.mark.parametrize("pin", [["--trtllm-version", "0.18.0"], ["--trtllm-version", "0.20.0"],
+                                 ["--trtllm-version", "1.2.1", "--trtllm-generation", "engine"],
+                                 ["--trtllm-generation", "engine"]])          # the default pin, 1.2.1
+def test_dry_run_chain_prints_the_plan_and_writes_nothing(tiny_llama, tiny_llama_draft, tmp_path, pin):
     w = tmp_path / "w"
     r = _run("convert", "--backend", "trtllm", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
-             "--workdir", str(w), "--dtype", "float16", "--dry-run")
+             "--workdir", str(w), "--dtype", "float16", "--dry-run", *pin)
     assert r.exit_code == 0, r.output
     assert "convert_rank --model-class LLaMAForCausalLM" in r.output and "--tp-size 1" in r.output
     r = _run("build", "--backend", "trtllm", "--workdir", str(w), "--max-draft-len", "5", "--dtype", "float16",
-             "--dry-run")
+             "--dry-run", *pin)
     assert r.exit_code == 0, r.output
     target = [line for line in r.output.splitlines() if "engines/target" in line and line.startswith("$ trtllm-build")]
     assert len(target) == 1
     assert "--speculative_decoding_mode draft_tokens_external --max_draft_len 5" in target[0]
     assert "--use_paged_context_fmha enable" in target[0]
     r = _run("deploy", "--backend", "trtllm", "--workdir", str(w), "--target-gpu-ids", "0", "--draft-gpu-ids", "0",
-             "--dry-run")
+             "--dry-run", *pin)
     assert r.exit_code == 0, r.output
     assert 'name: "tensorrt_llm_draft"' in r.output and "enable_kv_cache_reuse" in r.output
     assert not w.exists() or not any(w.iterdir()), "a dry run must not write into the workdir"

@@ -18,7 +18,9 @@ WORKER = [sys.executable, "-m", "specbuild.engines.trtllm.convert_rank"]
 
 @pytest.fixture
 def opts(tiny_llama, tiny_llama_draft):
-    return {"target_dir": str(tiny_llama), "draft_dir": str(tiny_llama_draft)}
+    # The 0.18 recipe (the default pin before 1.2.1): these tests keep its guarantees; the 0.20 .. 1.2.x
+    # families have their own tests (test_trtllm_families.py).
+    return {"target_dir": str(tiny_llama), "draft_dir": str(tiny_llama_draft), "trtllm_version": "0.18.0"}
 
 NO_TRTLLM = pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None,
                                reason="tensorrt_llm is installed here")
@@ -52,7 +54,7 @@ def test_convert_fp8_is_one_calibrated_run_per_model(tmp_path, opts, tiny_llama)
 
 
 def test_convert_maps_qwen2_to_qwen_class(tmp_path, tiny_qwen2, tiny_llama_draft):
-    opts = {"target_dir": str(tiny_qwen2), "draft_dir": str(tiny_llama_draft)}
+    opts = {"target_dir": str(tiny_qwen2), "draft_dir": str(tiny_llama_draft), "trtllm_version": "0.18.0"}
     steps = convert.plan(context("convert", tmp_path, opts))
     assert runs(steps)[0][runs(steps)[0].index("--model-class") + 1] == "QWenForCausalLM"
 
@@ -197,7 +199,8 @@ def test_dry_runs_use_what_convert_recorded_and_say_what_they_cannot_know(tmp_pa
     from specbuild.cli.main import cli
     from specbuild.pipeline.manifest import Manifest, write_manifest
     work = tmp_path / "w"
-    r = CliRunner().invoke(cli, ["build", "--backend", "trtllm", "--workdir", str(work), "--dry-run"])
+    r = CliRunner().invoke(cli, ["build", "--backend", "trtllm", "--workdir", str(work), "--dry-run",
+                                 "--trtllm-version", "0.18.0"])
     assert r.exit_code == 0, r.output
     assert "convert has not run" in r.output and "cannot know" in r.output
     assert "--gemm_plugin float16" in r.output and "--max_seq_len 4096" in r.output   # trtllm defaults

@@ -46,7 +46,9 @@ def repo_configs(tmp_path, options) -> dict[str, model_config_pb2.ModelConfig]:
 
 @pytest.fixture
 def opts(tiny_llama, tiny_llama_draft):
-    return {"target_dir": str(tiny_llama), "draft_dir": str(tiny_llama_draft)}
+    # The 0.18 recipe (the default pin before 1.2.1): these tests keep its guarantees; the 0.20 .. 1.2.x
+    # families have their own tests (test_trtllm_families.py).
+    return {"target_dir": str(tiny_llama), "draft_dir": str(tiny_llama_draft), "trtllm_version": "0.18.0"}
 
 
 def test_engine_repository_has_the_six_models_and_a_consistent_ensemble(tmp_path, opts):
@@ -153,7 +155,8 @@ def test_render_refuses_missing_values():
                keep_unset_parameters=True)
 
 
-FAMILY_VERSIONS = {"0.18": "0.18.0", "0.19": "0.19.0"}
+FAMILY_VERSIONS = {"0.18": "0.18.0", "0.19": "0.19.0", "0.20": "0.20.0", "0.21": "0.21.0", "1.0": "1.0.0",
+                   "1.1": "1.1.0", "1.2": "1.2.1"}
 
 
 @pytest.mark.parametrize("family", sorted(upstream_facts.families()))
@@ -167,7 +170,7 @@ def test_templates_are_the_version_table(family):
 @pytest.mark.parametrize("family", sorted(upstream_facts.families()))
 def test_generated_configs_match_the_version_table_exactly(tmp_path, opts, family):
     version = FAMILY_VERSIONS[family]
-    extra = {} if family == "0.18" else {"container_tag": "example.invalid/x:1"}
+    extra = {"trtllm_generation": "engine"} if family != "0.19" else {"container_tag": "example.invalid/x:1"}
     files = written(deploy.plan(context("deploy", tmp_path, {**opts, "trtllm_version": version, **extra})))
     for path, text in files.items():
         if not path.endswith("config.pbtxt"):

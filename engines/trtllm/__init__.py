@@ -19,7 +19,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 VERSION_MATRIX = {
-    "engine": {"min": "0.10.0", "below": "1.2.0", "pinned": DEFAULT_VERSION,
-               "container": ENGINE_CONTAINERS["0.18"]},
-    "llmapi": {"min": "1.0.0", "below": "1.2.0", "container": "nvcr.io/nvidia/tensorrt-llm/release:<version>"},
+    "engine": {"min": "0.10.0", "below": "1.3.0", "pinned": DEFAULT_VERSION, "containers": dict(ENGINE_CONTAINERS)},
+    "llmapi": {"min": "1.0.0", "below": "1.3.0", "container": "nvcr.io/nvidia/tensorrt-llm/release:<version>"},
 }

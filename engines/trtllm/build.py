@@ -18,11 +18,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from packaging.version import Version
 
 from specbuild.pipeline.errors import CheckFailed, UsageError
 from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
+from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.checks import read_json, validate_engine_config
 from specbuild.engines.trtllm.common import (BUILD_KEYS, CONVERT_KEYS, ROLES, hf_config, resolve_dtype, source_dir,
                                              upstream_path, upstream_settings)
@@ -78,9 +78,9 @@ def _yaml_scalar(value: Any) -> str:
 
 def llm_api_options(s: Settings, draft_dir: Path) -> dict[str, Any]:
     """LLM() keyword arguments for draft-target on the PyTorch backend (trtllm-serve YAML / model.yaml)."""
-    # `speculative_model_dir` is the 1.0/1.1 field name; later releases call it `speculative_model`
-    # and keep the old name as an alias.
-    model_key = "speculative_model" if Version(s.recipe.trtllm_version) >= Version("1.2") else "speculative_model_dir"
+    # Field names per release (llmapi.py): 1.0/1.1 DraftTarget + speculative_model_dir; 1.2 Draft_Target +
+    # speculative_model (the old name kept as an alias).
+    from specbuild.engines.trtllm.llmapi import speculative_config
     return {
         "tensor_parallel_size": s.tp,
         "pipeline_parallel_size": s.pp,
@@ -90,8 +90,8 @@ def llm_api_options(s: Settings, draft_dir: Path) -> dict[str, Any]:
         "disable_overlap_scheduler": True,
         "kv_cache_config": {"enable_block_reuse": True,
                             "free_gpu_memory_fraction": s.kv_cache_free_gpu_mem_fraction},
-        "speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": s.max_draft_len,
-                               model_key: str(draft_dir)},
+        "speculative_config": speculative_config(s.recipe.trtllm_version, max_draft_len=s.max_draft_len,
+                                                 draft_dir=str(draft_dir)),
     }
 
 
@@ -129,8 +129,47 @@ def plan(ctx: StageContext) -> list[PlanStep]:
     return steps
 
 
+def _rehearse(ctx: StageContext, s: Settings, options: dict[str, Any], notes: list[str]) -> StageResult:
+    """--rehearse: record the trtllm-build argv (rehearsal.py), keep the tokenizer, mark the engine dirs."""
+    out = Path(ctx.out_dir)
+    final = ctx.out_dir
+    ctx.out_dir = Path(ctx.workdir) / "engines"
+    try:
+        steps = plan(ctx)
+        argvs = {Path(a[a.index("--output_dir") + 1]).name: a for a in _engine_steps(ctx, s, options)} \
+            if s.recipe.generation == ENGINE else {}
+    finally:
+        ctx.out_dir = final
+    (out / rehearsal.PLAN_FILE).write_text(rehearsal.plan_record(steps, stage="build", recipe=s.recipe.to_dict()))
+    outputs: dict[str, Any] = {"rehearsal_plan": rehearsal.PLAN_FILE}
+    if s.recipe.generation == ENGINE:
+        for role in ("draft", "target"):
+            rehearsal.mark(out / role, role, argvs.get(role))
+            outputs[f"{role}_engine"] = role
+        shutil.copytree(upstream_path(ctx, "tokenizer"), out / "tokenizer")
+        outputs["tokenizer"] = "tokenizer"
+    else:
+        (out / OPTIONS_YAML).write_text(to_yaml(llm_api_options(s, source_dir(options, "draft"))))
+        outputs["llm_api_options"] = OPTIONS_YAML
+    ctx.progress(f"rehearsal: recorded {sum(st.kind == 'run' for st in steps)} trtllm-build commands in "
+                 f"engines/{rehearsal.PLAN_FILE} (not run: no TensorRT-LLM)")
+    effective = {**options, **{k: getattr(s, k) for k in BUILD_KEYS if hasattr(s, k)}}
+    effective.update(trtllm_version=s.recipe.trtllm_version, trtllm_generation=s.recipe.generation,
+                     container_tag=s.recipe.container)
+    checks = [{"name": "note", "ok": True, "detail": n} for n in notes]
+    checks.append({"name": "rehearsal", "ok": True, "detail": "no engine was built"})
+    return StageResult(outputs=outputs, checks=checks,
+                       extra={"rehearsal": True, "recipe": s.recipe.to_dict(), "tensorrt_llm": None,
+                              "trtllm_options": effective})
+
+
 def run(ctx: StageContext) -> StageResult:
     s, options, notes = upstream_settings(ctx, CONVERT_KEYS)
+    rehearsal.refuse_rehearsal_upstream(ctx, "build")
+    if rehearsal.requested(ctx.options):
+        for n in notes:
+            ctx.progress(n)
+        return _rehearse(ctx, s, options, notes)
     installed = require_tensorrt_llm(s.recipe.container)
     out = Path(ctx.out_dir)
     outputs: dict[str, Any] = {}

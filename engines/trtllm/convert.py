@@ -20,6 +20,7 @@ from pathlib import Path
 from specbuild.pipeline.errors import CheckFailed, UsageError
 from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
+from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.checks import check_vocab
 from specbuild.engines.trtllm.common import (ROLES, copy_tokenizer, hf_config, model_class, resolve_dtype,
                                              source_dir, stage_settings)
@@ -89,8 +90,43 @@ def plan(ctx: StageContext) -> list[PlanStep]:
     return steps
 
 
+def _rehearse(ctx: StageContext, s: Settings, sources: dict[str, dict]) -> StageResult:
+    """--rehearse: record the plan, keep the Hugging Face checkpoints and the tokenizer (rehearsal.py)."""
+    out = Path(ctx.out_dir)
+    final = ctx.out_dir
+    ctx.out_dir = Path(ctx.workdir) / "checkpoints"     # the plan names the final paths, as the dry run does
+    try:
+        steps = plan(ctx)
+    finally:
+        ctx.out_dir = final
+    (out / rehearsal.PLAN_FILE).write_text(rehearsal.plan_record(steps, stage="convert", recipe=s.recipe.to_dict()))
+    outputs: dict[str, object] = {"sources": "sources.json", "rehearsal_plan": rehearsal.PLAN_FILE}
+    for role in ROLES:
+        rehearsal.keep_tree(sources[role]["dir"], out / rehearsal.HF_DIR / role)
+    outputs["hf_checkpoints"] = {role: f"{rehearsal.HF_DIR}/{role}" for role in ROLES}
+    if s.recipe.generation == ENGINE:
+        outputs.update(target_checkpoint="target", draft_checkpoint="draft")   # named by the plan, not written
+        copy_tokenizer(sources["target"]["dir"], out / "tokenizer")
+        outputs["tokenizer"] = "tokenizer"
+    (out / "sources.json").write_text(_sources_json(sources, s))
+    ctx.progress(f"rehearsal: recorded {sum(st.kind == 'run' for st in steps)} commands in "
+                 f"checkpoints/{rehearsal.PLAN_FILE} (not run: no TensorRT-LLM); kept the Hugging Face checkpoints "
+                 f"in checkpoints/{rehearsal.HF_DIR}/")
+    return StageResult(
+        outputs=outputs,
+        checks=[{"name": "vocab_match", "ok": True, "vocab_size": sources["target"]["vocab_size"]},
+                {"name": "rehearsal", "ok": True, "detail": "no TensorRT-LLM checkpoint was written"}],
+        extra={"rehearsal": True, "recipe": s.recipe.to_dict(), "tensorrt_llm": None,
+               "trtllm_options": {**{k: v for k, v in ctx.options.items() if v is not None},
+                                  "trtllm_version": s.recipe.trtllm_version,
+                                  "trtllm_generation": s.recipe.generation, "container_tag": s.recipe.container}},
+    )
+
+
 def run(ctx: StageContext) -> StageResult:
     s = stage_settings(ctx.options)
+    if rehearsal.requested(ctx.options):
+        return _rehearse(ctx, s, _sources(ctx, s))
     installed = require_tensorrt_llm(s.recipe.container)
     sources = _sources(ctx, s)
     out = Path(ctx.out_dir)

@@ -24,6 +24,7 @@ from typing import Any
 from specbuild.pipeline.errors import CheckFailed, ToolNotAvailable, UsageError
 from specbuild.pipeline.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
 
+from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.build import llm_api_options, to_yaml
 from specbuild.engines.trtllm.common import BUILD_KEYS, source_dir, upstream_path, upstream_root, upstream_settings
 from specbuild.engines.trtllm.launch import engine_launch, launch_json, launch_script, llmapi_launch
@@ -79,6 +80,9 @@ def plan(ctx: StageContext) -> list[PlanStep]:
     steps = [PlanStep("note", note=f"TensorRT-LLM {s.recipe.trtllm_version} ({s.recipe.generation} path), "
                                    f"container {s.recipe.container}")]
     steps += [PlanStep("note", note=n) for n in notes]
+    inferred = inferred_note(s)
+    if inferred:
+        steps.append(PlanStep("note", note=inferred))
     for rel, text in render_files(ctx, s, options).items():
         steps.append(PlanStep("write", path=str(out / rel), content=text))
     for model, src in _python_sources(s).items():
@@ -138,6 +142,8 @@ def _copy_python_models(s: Settings, triton: Path, files: dict[str, str]) -> lis
 
 def run(ctx: StageContext) -> StageResult:
     s, options, notes = _deploy_settings(ctx)
+    rehearsal.refuse_rehearsal_upstream(ctx, "deploy")
+    rehearse = rehearsal.requested(ctx.options)
     for n in notes:
         ctx.progress(n)
     out = Path(ctx.out_dir)
@@ -152,12 +158,56 @@ def run(ctx: StageContext) -> StageResult:
         for model in ENGINE_MODELS:
             (triton / model / "1").mkdir(parents=True, exist_ok=True)
         shutil.copytree(upstream_path(ctx, "tokenizer"), out / "tokenizer")
-    checks = [{"name": "note", "ok": True, "detail": n} for n in notes] + _copy_python_models(s, triton, files)
+    checks = [{"name": "note", "ok": True, "detail": n} for n in notes]
+    if rehearse and not _has_python_models(s):
+        # `serve --rehearse --backend-models-dir DIR` brings upstream's Python models into its own copy.
+        checks.append({"name": "python_models", "ok": True,
+                       "detail": f"not copied: {_models_root(s)} holds no upstream models (a rehearsal); "
+                                 "`specbuild serve --rehearse --backend-models-dir DIR` adds them"})
+    else:
+        checks += _copy_python_models(s, triton, files)
+    if rehearse:
+        final = ctx.out_dir
+        ctx.out_dir = Path(ctx.workdir) / STAGE_DIRS["deploy"]
+        try:
+            steps = plan(ctx)
+        finally:
+            ctx.out_dir = final
+        (out / rehearsal.PLAN_FILE).write_text(rehearsal.plan_record(steps, stage="deploy", recipe=s.recipe.to_dict()))
+    inferred = inferred_note(s)
+    if inferred:
+        ctx.progress(inferred)
+        checks.append({"name": "inferred_facts", "ok": True, "detail": inferred})
+    extra = {"recipe": s.recipe.to_dict(), "trtllm_options": options,
+             "client_models": ["ensemble", "tensorrt_llm_bls"] if s.recipe.generation == ENGINE
+             else ["tensorrt_llm"]}
+    if rehearse or rehearsal.upstream_is_rehearsal(ctx.upstream):
+        extra["rehearsal"] = True
     return StageResult(
         outputs={"triton_model_repository": TRITON_DIR, "launch": "launch.json",
                  "models": sorted(p.name for p in triton.iterdir() if p.is_dir())},
-        checks=checks,
-        extra={"recipe": s.recipe.to_dict(), "trtllm_options": options,
-               "client_models": ["ensemble", "tensorrt_llm_bls"] if s.recipe.generation == ENGINE
-               else ["tensorrt_llm"]},
+        checks=checks, extra=extra,
     )
+
+
+def _has_python_models(s: Settings) -> bool:
+    root = _models_root(s)
+    return all((root / rel / "model.py").is_file() for rel in _python_sources(s).values())
+
+
+def inferred_note(s: Settings) -> str | None:
+    """One line naming the facts of this deployment that were not read at the release's own commit."""
+    if s.recipe.generation == ENGINE:
+        from specbuild.engines.trtllm.upstream_facts import inferred_facts
+        facts = inferred_facts(s.recipe.backend_family) if s.recipe.backend_family else []
+        what = f"the version-table family {s.recipe.backend_family}"
+    else:
+        from specbuild.engines.trtllm.llmapi import inferred_facts as llmapi_inferred
+        facts = llmapi_inferred(s.recipe.trtllm_version)
+        what = "the LLM-API field names"
+    if not facts:
+        return None
+    listed = ", ".join(f"{f.get('id', f['fact'][:40])} ({f['exactness']})" for f in facts)
+    return (f"TensorRT-LLM {s.recipe.trtllm_version}: {len(facts)} fact(s) of {what} are not read at the release's "
+            f"own commit: {listed}. Sources: engines/trtllm/upstream_facts.json and docs/deploying-on-gpus.md; "
+            "check them in the container before production.")

@@ -63,14 +63,23 @@ def llmapi_launch(s: Settings, repo: Path, target_dir: Path, options_yaml: Path)
     All LLM() arguments (parallelism, limits, KV cache, speculative_config) live in the YAML, so the
     command line only names the model, the backend, the address and the YAML.
     """
-    flag = "--config" if Version(s.recipe.trtllm_version) >= Version("1.2") else "--extra_llm_api_options"
+    from specbuild.engines.trtllm.llmapi import release
+    flag = release(s.recipe.trtllm_version).serve_flag
     serve = ["trtllm-serve", str(target_dir), "--backend", "pytorch", "--host", s.host, "--port", str(s.http_port),
              flag, str(options_yaml)]
     triton = ["mpirun", "--allow-run-as-root", "-n", "1", "trtllm-llmapi-launch"] if s.target_world > 1 else []
     triton += [*_server_args(s, repo), *_tail(0)]
     return {"argv": serve, "env": {}, "world_size": 1, "container": s.recipe.container, "triton_argv": triton,
-            "triton_note": "Triton's llmapi model needs a tritonserver:<yy.mm>-trtllm-python-py3 image that ships "
-                           f"TensorRT-LLM {s.recipe.trtllm_version} (pass it as --container-tag)."}
+            "triton_container": _triton_container(s),
+            "triton_note": "Triton's llmapi model runs in a tritonserver:<yy.mm>-trtllm-python-py3 image that ships "
+                           f"TensorRT-LLM {s.recipe.trtllm_version}: {_triton_container(s) or 'pass it as --container-tag'}"
+                           "; trtllm-serve runs in the container above."}
+
+
+def _triton_container(s: Settings) -> str | None:
+    from specbuild.engines.trtllm.versions import ENGINE_CONTAINERS
+    v = Version(s.recipe.trtllm_version)
+    return ENGINE_CONTAINERS.get(f"{v.major}.{v.minor}")
 
 
 def launch_script(launch: dict[str, Any]) -> str:

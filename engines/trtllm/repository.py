@@ -134,8 +134,10 @@ def engine_repository(s: Settings, *, engines_dir: Path, tokenizer_dir: Path) ->
     def tmpl(model: str) -> str:
         return upstream_facts.packaged_template(family, model)
 
+    # prompt_embedding_table_data_type: a data-type placeholder of the 1.2 family's tensorrt_llm / BLS (upstream's
+    # own recipes fill TYPE_FP16, the type earlier releases declare literally).
     common = {"triton_max_batch_size": s.max_batch_size, "max_queue_delay_microseconds": 0, "max_queue_size": 0,
-              "logits_datatype": "TYPE_FP32"}
+              "logits_datatype": "TYPE_FP32", "prompt_embedding_table_data_type": "TYPE_FP16"}
     files: dict[str, str] = {}
     files["ensemble/config.pbtxt"] = render(tmpl("ensemble"), common, "ensemble", keep_unset_parameters=True)
     files["preprocessing/config.pbtxt"] = render(

@@ -21,7 +21,8 @@ from specbuild.pipeline.errors import SpecbuildError, ToolNotAvailable
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 40
-CONTAINER_HINT = ("Use --dry-run to print the exact commands and files, or run specbuild inside the TensorRT-LLM "
+CONTAINER_HINT = ("Use --dry-run to print the exact commands and files, --rehearse to record them and rehearse the "
+                  "deployment on this CPU (`specbuild serve --rehearse`), or run specbuild inside the TensorRT-LLM "
                   "container ({container}).")
 
 

@@ -152,22 +152,103 @@ def families() -> dict[str, dict[str, Any]]:
     return table()["families"]
 
 
+def family_versions(fam: dict[str, Any]) -> list[str]:
+    """The TensorRT-LLM versions a family covers: its `versions` (families read from TensorRT-LLM's
+    triton_backend), else its backend tags (backend tag vX.Y.Z pairs with TensorRT-LLM X.Y.Z: the tag's
+    tensorrt_llm submodule)."""
+    return list(fam.get("versions") or [t.removeprefix("v") for t in fam["tags"]])
+
+
 def supported_versions() -> list[str]:
-    """TensorRT-LLM versions whose backend release is in the table (backend tag vX.Y.Z pairs with TensorRT-LLM
-    X.Y.Z: the tag's tensorrt_llm submodule)."""
-    return [t.removeprefix("v") for fam in families().values() for t in fam["tags"]]
+    """TensorRT-LLM versions whose Triton models are in the table."""
+    return [v for fam in families().values() for v in family_versions(fam)]
 
 
 def family_of(trtllm_version: str) -> str | None:
-    """The table family of a TensorRT-LLM version (0.18.1 -> '0.18'), None when not in the table."""
+    """The table family of a TensorRT-LLM version (0.18.1 -> '0.18', 1.2.1 -> '1.2'), None when not in the table."""
     try:
         v = Version(str(trtllm_version))
     except InvalidVersion:
         return None
     for name, fam in families().items():
-        if any(Version(t.removeprefix("v")) == Version(v.base_version) for t in fam["tags"]):
+        if any(Version(t) == Version(v.base_version) for t in family_versions(fam)):
             return name
     return None
+
+
+def inferred_facts(family: str) -> list[dict[str, Any]]:
+    """The facts behind a family that were not read at its release's own commit (exactness != "exact"), each with
+    its id, source and exactness: the family's own provenance, the dated changes along its derivation chain and
+    the inferred provenance of the family it derives from. What `deploy` says once and the docs list."""
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    name: str | None = family
+    while name:
+        fam = families()[name]
+        for f in fam.get("provenance", []):
+            if f.get("exactness") != "exact" and f.get("id") not in seen and (name == family or f.get("id") in
+                                                                                ("release-configs",)):
+                out.append(f)
+                seen.add(f.get("id", ""))
+        for change in (fam.get("derived") or {}).get("changes", []):
+            if change.get("exactness") != "exact":
+                out.append({k: change[k] for k in ("id", "fact", "exactness", "source", "release") if k in change})
+        name = (fam.get("derived") or {}).get("from")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Derived families: a release whose configs could not be read at its own commit is its predecessor's facts
+# plus dated changes, each change carrying the exact content it was read from and how its release was dated.
+
+def _tensor_index(items: list[dict[str, Any]], name: str) -> int:
+    for i, t in enumerate(items):
+        if t["name"] == name:
+            return i
+    raise KeyError(name)
+
+
+def apply_change(models: dict[str, dict[str, Any]], op: dict[str, Any]) -> None:
+    """Apply one operation of a change to `models` (in place). Operations:
+
+    - {"op": "add_input"|"add_output", "model", "tensor": {...}, "after": name | None}
+    - {"op": "set_input"|"set_output", "model", "name", "fields": {...}}
+    - {"op": "add_step_map", "model": "ensemble", "step": step model name, "kind": "input_map"|"output_map",
+       "key", "value", "after": key | None}
+    """
+    kind = op["op"]
+    m = models[op["model"]]
+    if kind in ("add_input", "add_output"):
+        items = m["inputs" if kind == "add_input" else "outputs"]
+        if any(t["name"] == op["tensor"]["name"] for t in items):
+            raise ValueError(f"{op['model']}: {op['tensor']['name']} is declared already")
+        at = _tensor_index(items, op["after"]) + 1 if op.get("after") else len(items)
+        items.insert(at, dict(op["tensor"]))
+    elif kind in ("set_input", "set_output"):
+        items = m["inputs" if kind == "set_input" else "outputs"]
+        items[_tensor_index(items, op["name"])].update(op["fields"])
+    elif kind == "add_step_map":
+        step = next(s for s in m["ensemble_steps"] if s["model_name"] == op["step"])
+        pairs = list(step[op["kind"]].items())
+        at = [k for k, _ in pairs].index(op["after"]) + 1 if op.get("after") else len(pairs)
+        pairs.insert(at, (op["key"], op["value"]))
+        step[op["kind"]] = dict(pairs)
+    else:
+        raise ValueError(f"unknown change operation {kind!r}")
+
+
+def derive_models(data: dict[str, Any], family: str) -> dict[str, dict[str, Any]]:
+    """The models of a family: read ones as stored, derived ones = their base's models + their changes."""
+    import copy
+    fam = data["families"][family]
+    derived = fam.get("derived")
+    if not derived:
+        return fam["models"]
+    models = copy.deepcopy(derive_models(data, derived["from"]))
+    for change in derived.get("changes", []):
+        for op in change["ops"]:
+            apply_change(models, op)
+    return models
 
 
 def nearest_family(trtllm_version: str) -> str:
@@ -203,10 +284,19 @@ def template_text(family: str, model: str) -> str:
     f = model_facts(family, model)
     fam = families()[family]
     ph = f["placeholders"]
-    lines = [f"# specbuild template: tensorrtllm_backend {', '.join(fam['tags'])} {model} "
-             f"(facts read from {fam['tags'][0]}, commit {fam['commits'][fam['tags'][0]][:12]}).",
-             "# Generated from engines/trtllm/upstream_facts.json by "
-             "`python -m specbuild.engines.trtllm.upstream_facts templates`; do not edit by hand."]
+    if fam.get("trtllm"):      # read from (or derived for) TensorRT-LLM's triton_backend
+        src = fam.get("read_from") or {}
+        how = (f"facts read at {src['repo'].split('/', 1)[-1]} {src['commit'][:12]}" if src.get("commit")
+               else f"facts derived from family {fam['derived']['from']} + dated changes")
+        lines = [f"# specbuild template: TensorRT-LLM {', '.join(family_versions(fam))} {model} ({how}; "
+                 f"exactness {fam.get('exactness')}: see upstream_facts.json).",
+                 "# Generated from engines/trtllm/upstream_facts.json by "
+                 "`python -m specbuild.engines.trtllm.upstream_facts templates`; do not edit by hand."]
+    else:
+        lines = [f"# specbuild template: tensorrtllm_backend {', '.join(fam['tags'])} {model} "
+                 f"(facts read from {fam['tags'][0]}, commit {fam['commits'][fam['tags'][0]][:12]}).",
+                 "# Generated from engines/trtllm/upstream_facts.json by "
+                 "`python -m specbuild.engines.trtllm.upstream_facts templates`; do not edit by hand."]
     lines.append('name: "${model_name}"' if model == "tensorrt_llm" else f'name: "{f["name"]}"')
     if f["platform"]:
         lines.append(f'platform: "{f["platform"]}"')
@@ -289,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--source", default="github.com/triton-inference-server/tensorrtllm_backend")
     ex.add_argument("dir")
     sub.add_parser("templates", help="rewrite model_repository/trtllm/backend-*/ from the table")
+    sub.add_parser("derive", help="recompute the models of derived families (base + changes) in the table")
     args = ap.parse_args(argv)
     if args.cmd == "extract":
         data = json.loads(FACTS_FILE.read_text()) if FACTS_FILE.is_file() else {"families": {}}
@@ -299,6 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         FACTS_FILE.write_text(json.dumps(data, indent=1) + "\n")
         table.cache_clear()
         print(f"wrote family {args.family} ({', '.join(args.tag)}) to {FACTS_FILE}")
+    elif args.cmd == "derive":
+        data = json.loads(FACTS_FILE.read_text())
+        for name, fam in data["families"].items():
+            if fam.get("derived"):
+                fam["models"] = derive_models(data, name)
+                print(f"derived family {name} from {fam['derived']['from']} "
+                      f"({len(fam['derived'].get('changes', []))} changes)")
+        FACTS_FILE.write_text(json.dumps(data, indent=1) + "\n")
+        table.cache_clear()
     else:
         import specbuild.model_repository as mr
         for p in write_templates(Path(mr.__file__).parent / TEMPLATE_ROOT):

@@ -1,14 +1,16 @@
 """Which TensorRT-LLM generation a version belongs to, and the container that goes with it.
 
-Two generations (shared/reference/TRTLLM_TRITON.md §0, §1.7):
+Two generations (shared/reference/TRTLLM_TRITON.md §0, §1.7; TRTLLM_1X.md):
 
 - **engine**: `convert_checkpoint` / `from_hugging_face(...).save_checkpoint` -> `trtllm-build` ->
-  Triton `inflight_batcher_llm` (draft-target through the BLS model). Exists up to TensorRT-LLM 1.1
-  (legacy since 1.0, removed later). The fully documented recipe is 0.18.0 in
-  `nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3`.
-- **llmapi**: TensorRT-LLM >= 1.0, PyTorch backend, no engines: `speculative_config:
-  {decoding_type: DraftTarget, max_draft_len, speculative_model}` in Triton's llmapi model.yaml or in
-  a `trtllm-serve --config` YAML.
+  Triton `inflight_batcher_llm` (draft-target through the BLS model). Exists up to TensorRT-LLM 1.2.1
+  (legacy since 1.0) and was deleted on TensorRT-LLM main after it (PRs #15763, #15907, #15918, #16369),
+  so >= 1.3 is refused for it with the LLM-API alternative. The Triton models of each release are the
+  version-table families of upstream_facts.json (0.18, 0.19, 0.20, 0.21, 1.0, 1.1, 1.2).
+- **llmapi**: TensorRT-LLM 1.0 .. 1.2.x, PyTorch backend, no engines: `speculative_config` (DraftTarget) in
+  Triton's llmapi model.yaml and in a `trtllm-serve` YAML; field names per release in `llmapi.py`.
+
+The default pin is the newest stable release, 1.2.1 (PyPI, 2026-04), in its Triton container.
 """
 
 from __future__ import annotations
@@ -23,18 +25,28 @@ ENGINE = "engine"
 LLMAPI = "llmapi"
 GENERATIONS = (ENGINE, LLMAPI)
 
-DEFAULT_VERSION = "0.18.0"
+DEFAULT_VERSION = "1.2.1"
 
-# The engine path: BLS draft-target in one Triton since 0.10; fast logits since 0.15; trtllm-build
-# removed after 1.1. The LLM-API DraftTarget path: PyTorch backend default since 1.0; two-model
-# speculation is reported removed in 1.2 (unconfirmed), so >= 1.2 is refused until verified.
-ENGINE_RANGE = (Version("0.10.0"), Version("1.2.0"))      # [lo, hi)
-LLMAPI_RANGE = (Version("1.0.0"), Version("1.2.0"))
+# [lo, hi): the engine path from the BLS draft-target model (0.10) to its last release (1.2.x); the LLM-API
+# DraftTarget path from the PyTorch default (1.0) to the newest release whose field names are in llmapi.py.
+ENGINE_RANGE = (Version("0.10.0"), Version("1.3.0"))
+LLMAPI_RANGE = (Version("1.0.0"), Version("1.3.0"))
 FAST_LOGITS_SINCE = Version("0.15.0")
+ENGINE_REMOVED = Version("1.3.0")
+ENGINE_REMOVED_REASON = (
+    "the TensorRT engine path (trtllm-build, convert_checkpoint.py, Triton's inflight_batcher_llm C++ backend and "
+    "its BLS draft-target model) ends with TensorRT-LLM 1.2.1: it was deleted on TensorRT-LLM main after it "
+    "(NVIDIA/TensorRT-LLM PRs #15763, #15907, #15918, #16369)")
 
-# Pinned containers known to carry the given TensorRT-LLM version (major.minor -> tag).
+# Pinned Triton containers per version-table family (major.minor -> tag); sources and exactness in
+# upstream_facts.json (each family's `container` and its provenance).
 ENGINE_CONTAINERS = {
     "0.18": "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3",
+    "0.20": "nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3",
+    "0.21": "nvcr.io/nvidia/tritonserver:25.08-trtllm-python-py3",
+    "1.0": "nvcr.io/nvidia/tritonserver:25.09-trtllm-python-py3",
+    "1.1": "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3",
+    "1.2": "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3",
 }
 LLMAPI_CONTAINER = "nvcr.io/nvidia/tensorrt-llm/release:{version}"
 
@@ -67,13 +79,15 @@ def supported_matrix() -> str:
     lines = [
         "supported TensorRT-LLM combinations:",
         f"  engine path (trtllm-build + Triton inflight_batcher_llm BLS): TensorRT-LLM "
-        f"{', '.join(table_versions())} (the tensorrtllm_backend releases in the version table, "
-        "engines/trtllm/upstream_facts.json); pinned recipe "
-        f"{DEFAULT_VERSION} in {ENGINE_CONTAINERS['0.18']}; other versions need --container-tag; a version outside "
-        "the table only with --force (its templates are then the nearest older family's, unverified)",
+        f"{', '.join(table_versions())} (the releases in the version table, engines/trtllm/upstream_facts.json); "
+        f"containers: " + ", ".join(f"{fam}.x -> {tag.split(':')[-1]}" for fam, tag in ENGINE_CONTAINERS.items())
+        + "; others need --container-tag; a version outside the table only with --force (its templates are then "
+        "the nearest older family's, unverified); none from 1.3 on (the engine path was removed after 1.2.1)",
         f"  llmapi path (PyTorch backend, speculative_config DraftTarget): {LLMAPI_RANGE[0]} <= version < "
-        f"{LLMAPI_RANGE[1]}; container {LLMAPI_CONTAINER.format(version='<version>')}",
-        "  TensorRT-LLM 1.0-1.1 offers both; choose with --trtllm-generation engine|llmapi (default llmapi).",
+        f"{LLMAPI_RANGE[1]}; container {LLMAPI_CONTAINER.format(version='<version>')} (trtllm-serve) or the "
+        "tritonserver:<yy.mm>-trtllm-python-py3 of the release (Triton llmapi model)",
+        f"  default: TensorRT-LLM {DEFAULT_VERSION}; 1.0-1.2.x offer both paths: --trtllm-generation engine|llmapi "
+        "(default llmapi).",
     ]
     return "\n".join(lines)
 
@@ -116,6 +130,12 @@ def resolve(requested: str | None = None, generation: str | None = None,
     if gen not in GENERATIONS:
         raise UsageError(f"unknown TensorRT-LLM generation {gen!r}; choose engine or llmapi.\n{supported_matrix()}")
     lo, hi = ENGINE_RANGE if gen == ENGINE else LLMAPI_RANGE
+    if gen == ENGINE and Version(version.base_version) >= ENGINE_REMOVED:
+        raise UsageError(f"TensorRT-LLM {text} has no engine path: {ENGINE_REMOVED_REASON}. Use the LLM-API path "
+                         f"instead: --trtllm-generation llmapi (PyTorch backend, speculative_config DraftTarget; "
+                         f"specbuild writes it for {LLMAPI_RANGE[0]}..{LLMAPI_RANGE[1]} exclusive, e.g. "
+                         f"--trtllm-version {DEFAULT_VERSION}), or pin --trtllm-version 1.2.1 for engines.\n"
+                         f"{supported_matrix()}")
     if not lo <= Version(version.base_version) < hi:
         raise UsageError(f"TensorRT-LLM {text} does not support the {gen} path for draft-target speculative "
                          f"decoding.\n{supported_matrix()}")
