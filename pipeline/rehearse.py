@@ -58,9 +58,9 @@ def _deployment(workdir: Path) -> tuple[Path, dict[str, Any]]:
         raise UsageError(f"{deploy_dir} was not deployed with --backend trtllm; --rehearse rehearses the TensorRT-LLM "
                          "repository (the embedded deployment runs with plain `specbuild serve`).")
     recipe = (manifest.get("extra") or {}).get("recipe") or {}
-    if recipe.get("generation") != "engine":
+    if recipe.get("generation") not in ("engine", "llmapi"):
         raise UsageError(f"the deployment in {deploy_dir} is the {recipe.get('generation')} path; --rehearse covers "
-                         "the engine path (inflight_batcher_llm with tensorrt_llm_bls) only.")
+                         "the engine path (inflight_batcher_llm with tensorrt_llm_bls) and the llmapi path.")
     if not (deploy_dir / "triton").is_dir():
         raise UsageError(f"{deploy_dir}/triton is missing; re-run `specbuild deploy --backend trtllm`.")
     return deploy_dir, manifest
@@ -72,6 +72,9 @@ def _sources(workdir: Path, deploy_manifest: dict[str, Any]) -> dict[str, Path]:
     try:
         conv = read_manifest(stage_dir(workdir, "convert"), "convert")
         rec = (conv.get("extra") or {}).get("trtllm_options") or conv.get("options") or {}
+        kept = (conv.get("outputs") or {}).get("hf_checkpoints") or {}   # convert --rehearse kept them
+        rec = {**rec, **{f"{role}_dir": str(stage_dir(workdir, "convert") / rel) for role, rel in kept.items()
+                         if (stage_dir(workdir, "convert") / rel / "config.json").is_file()}}
     except Exception:  # noqa: BLE001 - fall back to sources.json / the deploy record
         sources = stage_dir(workdir, "convert") / "sources.json"
         if sources.is_file():
@@ -116,6 +119,133 @@ def check_upstream(models_dir: Path, deployed: Path) -> list[str]:
     return problems
 
 
+def older_family_of_the_lineage(upstream: Path, family: str | None) -> dict[str, Any] | None:
+    """When `upstream` is exactly the tree of a version-table family that the deployed `family` derives from
+    (e.g. the 0.20 tree for a 1.2 deployment: same names, the later releases only add optional tensors), that
+    family and the ids of the changes between them; else None."""
+    from specbuild.engines.trtllm.upstream_facts import extract_tree, families
+    if not family or family not in families():
+        return None
+    try:
+        tree = extract_tree(upstream)
+    except FileNotFoundError:
+        return None
+    changes: list[str] = []
+    found = None
+    name = family
+    while name:                 # the oldest matching ancestor: the family the tree was read for
+        fam = families()[name]
+        if name != family and fam["models"] == tree:
+            found = {"family": name, "changes": list(changes)}
+        derived = fam.get("derived") or {}
+        changes = [c["id"] for c in derived.get("changes", [])] + changes
+        name = derived.get("from")
+    return found
+
+
+def _llmapi_upstream(backend_models_dir: str | Path) -> Path:
+    """The llmapi model dir (holding 1/model.py) in a gathered tree, a checkout or a container's all_models."""
+    p = Path(backend_models_dir).expanduser()
+    for cand in (p, p / "llmapi" / "tensorrt_llm", p / "all_models" / "llmapi" / "tensorrt_llm",
+                 p / "triton_backend" / "all_models" / "llmapi" / "tensorrt_llm"):
+        if (cand / "1" / "model.py").is_file():
+            return cand.resolve()
+    raise UsageError(f"--backend-models-dir: {p} holds no llmapi/tensorrt_llm/1/model.py (upstream's Triton LLM-API "
+                     "model); gather it with scripts/gather_trtllm_upstream.py.")
+
+
+def _module_imports(path: Path) -> set[str]:
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def prepare_llmapi(workdir: Path, deploy_dir: Path, manifest: dict[str, Any], backend_models_dir, *,
+                   say: Callable[[str], None]) -> Path:
+    """The llmapi repository with upstream's own model.py / helpers.py and the `tensorrt_llm` stand-in beside them."""
+    if not backend_models_dir:
+        raise UsageError("--rehearse needs --backend-models-dir: a tree with upstream's llmapi/tensorrt_llm/1/model.py "
+                         "(scripts/gather_trtllm_upstream.py), a TensorRT-LLM checkout or a container's "
+                         "/app/all_models.")
+    upstream = _llmapi_upstream(backend_models_dir)
+    deployed = deploy_dir / "triton" / "tensorrt_llm"
+    local = {p.stem for p in (upstream / "1").glob("*.py")} | {"tensorrt_llm", "triton_python_backend_utils"}
+    needed = set().union(*(_module_imports(p) for p in (upstream / "1").glob("*.py"))) - local
+    missing = sorted(m for m in needed if importlib.util.find_spec(m) is None and m not in sys_stdlib())
+    if missing:
+        raise ToolNotAvailable(f"upstream's llmapi model ({upstream / '1'}) imports modules this Python lacks: "
+                               f"{missing}; install them (e.g. pip install {' '.join(_pip_name(m) for m in missing)})"
+                               " and retry.")
+    opts = (manifest.get("extra") or {}).get("trtllm_options") or {}
+    recipe = (manifest.get("extra") or {}).get("recipe") or {}
+    root = rehearsal_root(workdir)
+    tmp = root / "triton.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dst = tmp / "tensorrt_llm"
+    shutil.copytree(upstream, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "config.pbtxt",
+                                                                 "model.yaml"))
+    shutil.copy2(deployed / "config.pbtxt", dst / "config.pbtxt")
+    shutil.copy2(deployed / "1" / "model.yaml", dst / "1" / "model.yaml")
+    pkg = resources.files("specbuild.model_repository") / "rehearsal" / "tensorrt_llm_llmapi" / "tensorrt_llm"
+    _copy_resource_tree(pkg, dst / "1" / "tensorrt_llm")
+    final_stats = root / "triton" / "tensorrt_llm" / "1" / "stats.json"
+    (dst / "1" / "tensorrt_llm" / "_rehearsal.json").write_text(json.dumps(
+        {"version": recipe.get("trtllm_version"), "max_seq_len": int(opts.get("max_seq_len") or 1024),
+         "max_batch_size": min(int(opts.get("max_batch_size") or 4), 4), "stats_file": str(final_stats)},
+        indent=2) + "\n")
+    from specbuild.engines.trtllm.repository import upstream_mismatches
+    theirs = upstream / "config.pbtxt"
+    diffs = upstream_mismatches((deployed / "config.pbtxt").read_text(), theirs.read_text()) if theirs.is_file() \
+        else [f"{theirs} is missing"]
+    source = {}
+    for cand in (upstream.parent.parent / "SOURCE.json", upstream.parent.parent.parent / "SOURCE.json"):
+        if cand.is_file():
+            source = json.loads(cand.read_text())
+            break
+    info = {"deployment": str(deploy_dir / "triton"), "generation": "llmapi",
+            "trtllm_version": recipe.get("trtllm_version"), "upstream_model": str(upstream), "upstream_source": source,
+            "config_differences_from_upstream_tree": diffs,
+            "changed": {"tensorrt_llm/1/tensorrt_llm/": "added: the stand-in for the tensorrt_llm LLM API "
+                                                       "(specbuild.engines.trtllm.llmapi_standin)"},
+            "upstream_python_files": sorted(p.name for p in (upstream / "1").glob("*.py"))}
+    (root / "rehearsal.json").write_text(json.dumps(info, indent=2) + "\n")
+    repo = root / "triton"
+    shutil.rmtree(repo, ignore_errors=True)
+    tmp.rename(repo)
+    if diffs:
+        say(f"note: upstream's llmapi config.pbtxt in {upstream} differs from the deployed TensorRT-LLM "
+            f"{recipe.get('trtllm_version')} one ({len(diffs)}: {diffs[:3]}...): that tree is another release's "
+            "(the newest readable here); its model.py runs against the deployed config")
+    say(f"rehearsal repository: {repo} (upstream's llmapi model.py from {upstream}, the tensorrt_llm stand-in on the "
+        "embedded engine)")
+    return repo
+
+
+def sys_stdlib() -> set[str]:
+    import sys
+    return set(getattr(sys, "stdlib_module_names", ()))
+
+
+def _pip_name(module: str) -> str:
+    return {"yaml": "pyyaml", "mpi4py": "mpi4py mpich", "PIL": "pillow"}.get(module, module)
+
+
+def _copy_resource_tree(src, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.name == "__pycache__":
+            continue
+        if item.is_dir():
+            _copy_resource_tree(item, dst / item.name)
+        else:
+            (dst / item.name).write_text(item.read_text())
+
+
 def prepare(workdir: str | Path, backend_models_dir: str | Path | None, *, slots: int = 4,
             progress: Callable[[str], None] | None = None) -> Path:
     """Assemble `<workdir>/rehearsal/triton/` and return it (refusing with the reason when it cannot)."""
@@ -123,6 +253,8 @@ def prepare(workdir: str | Path, backend_models_dir: str | Path | None, *, slots
     say = progress or (lambda m: None)
     workdir = Path(workdir).resolve()
     deploy_dir, manifest = _deployment(workdir)
+    if ((manifest.get("extra") or {}).get("recipe") or {}).get("generation") == "llmapi":
+        return prepare_llmapi(workdir, deploy_dir, manifest, backend_models_dir, say=say)
     family = ((manifest.get("extra") or {}).get("recipe") or {}).get("backend_family")
     if not backend_models_dir:
         raise UsageError("--rehearse needs --backend-models-dir: a checkout of tensorrtllm_backend at the tag of the "
@@ -139,10 +271,17 @@ def prepare(workdir: str | Path, backend_models_dir: str | Path | None, *, slots
             raise UsageError(f"--backend-models-dir: {upstream / model / '1' / 'model.py'} is missing.")
     deployed = deploy_dir / "triton"
     problems = check_upstream(upstream, deployed)
+    older = None
     if problems:
-        raise CheckFailed(f"the upstream models in {upstream} are not the release this repository was deployed for "
-                          f"(backend family {family}); check out the matching tag. Differences: {problems[:8]}"
-                          + (f" ... ({len(problems)} in all)" if len(problems) > 8 else ""))
+        older = older_family_of_the_lineage(upstream, family)
+        if older is None:
+            raise CheckFailed(f"the upstream models in {upstream} are not the release this repository was deployed "
+                              f"for (backend family {family}); check out the matching tag. Differences: "
+                              f"{problems[:8]}" + (f" ... ({len(problems)} in all)" if len(problems) > 8 else ""))
+        say(f"upstream's Python models in {upstream} are family {older['family']}'s, not {family}'s (the newest "
+            f"full tree read here); the deployed {family} configs add {', '.join(older['changes'])}: optional "
+            f"tensors those models neither read nor fill. With a {family} tree (scripts/gather_trtllm_upstream.py "
+            "--trtllm-checkout) the rehearsal is exact.")
     missing = missing_modules()
     if missing:
         raise ToolNotAvailable(f"upstream's Python models import modules this Python lacks: {missing}; install them "
@@ -175,6 +314,8 @@ def prepare(workdir: str | Path, backend_models_dir: str | Path | None, *, slots
             shutil.copytree(upstream / name / "1", dst / "1", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         (dst / "config.pbtxt").write_text(config)
     info = {"deployment": str(deployed), "backend_family": family, "upstream_models": str(upstream),
+            "upstream_family": older["family"] if older else family,
+            "changes_not_in_upstream_models": older["changes"] if older else [],
             "sources": {k: str(v) for k, v in sources.items()},
             "changed": {m: 'backend: "tensorrtllm" -> backend: "python" (stand-in)' for m in ENGINE_MODELS},
             "upstream_python_models": list(UPSTREAM_PYTHON_MODELS)}
@@ -202,7 +343,8 @@ def serve_foreground(workdir: str | Path, opts=None, *, backend_models_dir: str 
 
 
 def engine_stats(workdir: str | Path) -> dict[str, dict[str, int]]:
-    """The stand-ins' counters (requests, reused_tokens, computed_tokens, draft/accepted tokens) per model."""
+    """The stand-ins' counters (requests, reused_tokens, computed_tokens, draft/accepted tokens) per model (an
+    llmapi rehearsal: the LLM stand-in's requests, draft_tokens, accepted_tokens under "tensorrt_llm")."""
     out = {}
     for model in ENGINE_MODELS:
         f = rehearsal_root(workdir) / "triton" / model / "1" / "stats.json"

@@ -1,6 +1,8 @@
 """`serve --rehearse`: the TensorRT-LLM repository on the real CPU tritonserver with upstream's own Python models.
 
-Needs a tensorrtllm_backend release checkout in $SPECBUILD_TRTLLM_BACKEND_DIR (skips with the reason otherwise).
+Needs upstream's models: a tensorrtllm_backend release checkout in $SPECBUILD_TRTLLM_BACKEND_DIR, else the newest tree
+gathered by scripts/gather_trtllm_upstream.py ($SPECBUILD_TRTLLM_UPSTREAM, default ~/.cache/specbuild/trtllm-upstream);
+skips with the reason otherwise.
 The chain convert -> build -> deploy --backend trtllm runs with the recording tensorrt_llm stand-in and fake
 trtllm-build (TensorRT-LLM cannot exist here); the rehearsal then serves the deployed configs, upstream's
 preprocessing / postprocessing / tensorrt_llm_bls, and the stand-in engines on the tiny model pair.
@@ -146,16 +148,17 @@ def test_speculative_request_without_stream_is_refused_by_upstream_bls(server):
 def test_genai_perf_shaped_request(server):
     """exclude_input_in_output + min_length: fine on the ensemble; on the BLS speculative path upstream's loop
     assumes output_ids hold the prompt, so the contract refuses it before sending (contract.request_problems)."""
-    from specbuild.pipeline.contract import request_problems
+    from specbuild.pipeline.contract import contract_name_for, request_problems
     info, _, family = server
-    r = generate(info, "ensemble", text_input="Hello world", max_tokens=8, min_length=8,
+    min_name = contract_name_for(family, "ensemble", "min_tokens")     # min_length up to 0.19, min_tokens from 0.20
+    r = generate(info, "ensemble", text_input="Hello world", max_tokens=8, **{min_name: 8},
                  exclude_input_in_output=True, temperature=0.0)
     assert r.status_code == 200, r.text
     text = r.json()["text_output"]
     assert not text.startswith("Hello world")
     problems = request_problems(f"trtllm-{family}", "tensorrt_llm_bls",
                                 {"text_input": "x", "max_tokens": 8, "num_draft_tokens": 4,
-                                 "exclude_input_in_output": True, "min_length": 8})
+                                 "exclude_input_in_output": True, min_name: 8})
     assert any("exclude_input_in_output" in p for p in problems)
 
 

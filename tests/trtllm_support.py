@@ -182,21 +182,68 @@ def env_with_path(bindir: Path) -> str:
     return f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-# ---- upstream tensorrtllm_backend checkouts (tests that run upstream's own Python models) ----------------
-BACKEND_DIR_ENV = "SPECBUILD_TRTLLM_BACKEND_DIR"
+# ---- upstream's own Triton models (tests that run them) --------------------------------------------------------
+BACKEND_DIR_ENV = "SPECBUILD_TRTLLM_BACKEND_DIR"     # one checkout of a release tag (or its inflight_batcher_llm)
+UPSTREAM_ENV = "SPECBUILD_TRTLLM_UPSTREAM"           # trees gathered by scripts/gather_trtllm_upstream.py
+GATHER_HINT = ("gather them outside the project with `python scripts/gather_trtllm_upstream.py --out "
+               "~/.cache/specbuild/trtllm-upstream --backend-git <tensorrtllm_backend clone>` (and/or "
+               "--trtllm-checkout <TensorRT-LLM clone at a release tag>), or set SPECBUILD_TRTLLM_BACKEND_DIR to a "
+               "tensorrtllm_backend checkout of a release tag; CI has only PyPI, which carries none of these files")
+
+
+def gathered_root() -> Path:
+    from specbuild.pipeline.sources import cache_dir
+    return Path(os.environ.get(UPSTREAM_ENV) or cache_dir() / "trtllm-upstream").expanduser()
+
+
+def gathered_trees() -> dict[str, Path]:
+    """{version-table family: tree} of the gathered trees (SOURCE.json names the family each matched)."""
+    out: dict[str, Path] = {}
+    root = gathered_root()
+    if not root.is_dir():
+        return out
+    for src in sorted(root.glob("*/SOURCE.json")):
+        fam = json.loads(src.read_text()).get("family")
+        if fam and (src.parent / "inflight_batcher_llm").is_dir():
+            out[fam] = src.parent
+    return out
+
+
+def upstream_tree(family: str | None = None):
+    """A gathered tree (of `family`, else the newest family gathered) -> (its all_models dir, family), or skip."""
+    import pytest
+    from packaging.version import Version
+    trees = gathered_trees()
+    if not trees:
+        pytest.skip(f"needs upstream's Python models in {gathered_root()}: {GATHER_HINT}")
+    if family is None:
+        family = max(trees, key=Version)
+    if family not in trees:
+        pytest.skip(f"no gathered tree of family {family} in {gathered_root()} (have {sorted(trees)}): {GATHER_HINT}")
+    return trees[family], family
+
+
+def upstream_llmapi_tree():
+    """The newest gathered tree holding upstream's llmapi model (llmapi/tensorrt_llm/1/model.py), or skip."""
+    import pytest
+    from packaging.version import Version
+    trees = {f: t for f, t in gathered_trees().items() if (t / "llmapi" / "tensorrt_llm" / "1" / "model.py").is_file()}
+    if not trees:
+        pytest.skip(f"needs upstream's llmapi model.py in {gathered_root()}: {GATHER_HINT}")
+    fam = max(trees, key=Version)
+    return trees[fam], fam
 
 
 def upstream_backend_dir():
     """(models dir, tag family) from $SPECBUILD_TRTLLM_BACKEND_DIR (a tensorrtllm_backend checkout of a release
-    tag, or its all_models/inflight_batcher_llm), or pytest.skip with the reason."""
+    tag, or its all_models/inflight_batcher_llm), else the newest gathered tree; or pytest.skip with the reason."""
     import pytest
 
     from specbuild.engines.trtllm.upstream_facts import extract_tree, families, models_dir
     raw = os.environ.get(BACKEND_DIR_ENV)
     if not raw:
-        pytest.skip(f"needs upstream's Python models: set {BACKEND_DIR_ENV} to a tensorrtllm_backend checkout of a "
-                    "release tag (e.g. git clone -b v0.18.0 https://github.com/triton-inference-server/"
-                    "tensorrtllm_backend) or its all_models/inflight_batcher_llm")
+        tree, _ = upstream_tree()
+        raw = str(tree)
     root = models_dir(raw)
     tree = extract_tree(root)
     for name, fam in families().items():

@@ -1,0 +1,1 @@
+from specbuild.engines.trtllm.llmapi_standin import LLM, RequestOutput  # noqa: F401

@@ -1,0 +1,2 @@
+from specbuild.engines.trtllm.llmapi_standin import (DecodingBaseConfig, DraftTargetDecodingConfig,  # noqa: F401
+                                                     KvCacheConfig)
