@@ -128,21 +128,27 @@ def _dtype_name(data_type: Any) -> str:
     return str(data_type)
 
 
-# ---- TensorRT-LLM deployments: what each pinned tensorrtllm_backend release accepts -----------------------
+# ---- TensorRT-LLM deployments: what each release's Triton models accept --------------------------------------
 # The embedded deployment implements the contract above. A TensorRT-LLM deployment serves upstream's own
-# ensemble / tensorrt_llm_bls of its release, whose inputs are read from the release tags into
-# engines/trtllm/upstream_facts.json. Differences a client must know (tags v0.18.0-v0.18.2, v0.19.0):
+# ensemble / tensorrt_llm_bls of its release, whose inputs are in the version table
+# (engines/trtllm/upstream_facts.json: 0.18 and 0.19 read at the tensorrtllm_backend tags; 0.20 read at
+# tensorrtllm_backend c2e65b8, the tree TensorRT-LLM's triton_backend/ started from; 0.21, 1.0, 1.1, 1.2 derived
+# by dated changes, each with its source and exactness). Differences a client must know:
 #
-# | contract name          | v0.18.x                        | v0.19.0                         |
-# |------------------------|--------------------------------|---------------------------------|
-# | seed                   | random_seed                    | random_seed                     |
-# | min_tokens             | min_length                     | min_length                      |
-# | return_perf_metrics    | absent (return_kv_cache_reuse_stats) | present, with acceptance_rate, total_accepted_draft_tokens, total_draft_tokens |
-# | stream on the BLS with num_draft_tokens > 0 | required, false (validate calls stream.any()) | required, false (same) |
+# | contract name        | 0.18.x        | 0.19.0        | 0.20.0, 0.21.0 | 1.0.0, 1.1.0, 1.2.0, 1.2.1                     |
+# |----------------------|---------------|---------------|----------------|------------------------------------------------|
+# | seed                 | random_seed   | random_seed   | seed           | seed                                           |
+# | min_tokens           | min_length    | min_length    | min_tokens     | min_tokens                                     |
+# | return_perf_metrics  | absent        | present       | present        | present                                        |
+# | return_num_input_tokens / return_num_output_tokens -> num_input_tokens / num_output_tokens | absent | absent | absent | present (inferred, PR #5445); the BLS fills them from 1.2 (#8150) |
+# | stream on the BLS with num_draft_tokens > 0 | required, false (validate calls stream.any()) | same | same | same |
+# | length_penalty / early_stopping | honoured | honoured | honoured | silently ignored by the C++ model on 1.2.x (#13633) |
 #
-# On the BLS speculative path (num_draft_tokens > 0) both releases need exclude_input_in_output false (their
-# loop feeds output_ids back as the prompt) and return text_output = prompt + completion; the client strips the
-# prompt itself. Without perf-metric outputs, acceptance is measured client-side (tokens per round).
+# On the BLS speculative path (num_draft_tokens > 0) every release needs exclude_input_in_output false (its loop
+# feeds output_ids back as the prompt) and returns text_output = prompt + completion; the client strips the prompt
+# itself. Its perf-metric outputs describe the last round only: acceptance is measured client-side.
+# The LLM-API path (Triton's llmapi model `tensorrt_llm`, 1.0 .. 1.2.x) takes text_input, streaming and
+# sampling_param_* tensors instead (LLMAPI_NAMES); trtllm-serve speaks the OpenAI API.
 
 TRTLLM_RENAMES = {"seed": "random_seed", "min_tokens": "min_length"}
 
@@ -180,12 +186,16 @@ def request_problems(target: str, model: str, request: dict[str, Any]) -> list[s
         return [f"{model}: {n!r} is not a contract input" for n in request if n not in known and n != "proposer"]
     names = trtllm_input_names(family, model)
     problems = []
+    older = {v: k for k, v in TRTLLM_RENAMES.items()}      # random_seed -> seed (0.19 and earlier -> 0.20 on)
     for key in request:
         if key in names:
             continue
         renamed = TRTLLM_RENAMES.get(key)
         if renamed in names:
             problems.append(f"{model} (tensorrtllm_backend {family}): {key!r} is called {renamed!r} in this release")
+        elif older.get(key) in names:
+            problems.append(f"{model} (TensorRT-LLM {family}): no input {key!r} in this release; it is called "
+                            f"{older[key]!r} from 0.20 on")
         else:
             problems.append(f"{model} (tensorrtllm_backend {family}): no input {key!r} in this release; Triton "
                             "rejects the request")
@@ -202,3 +212,29 @@ def request_problems(target: str, model: str, request: dict[str, Any]) -> list[s
             problems.append(f"{model} (tensorrtllm_backend {family}): streaming is not supported with speculative "
                             "decoding (upstream BLS)")
     return problems
+
+
+# The contract's names as the LLM-API path's Triton model (`tensorrt_llm`, llmapi) takes them
+# (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @c8c6df08; engines/trtllm/llmapi.py).
+LLMAPI_MODEL = "tensorrt_llm"
+LLMAPI_NAMES = {"text_input": "text_input", "stream": "streaming", "max_tokens": "sampling_param_max_tokens",
+                "temperature": "sampling_param_temperature", "top_k": "sampling_param_top_k",
+                "top_p": "sampling_param_top_p", "seed": "sampling_param_seed", "stop_words": "sampling_param_stop",
+                "return_perf_metrics": "sampling_param_return_perf_metrics",
+                "exclude_input_in_output": "sampling_param_exclude_input_from_output"}
+
+
+def llmapi_request(request: dict[str, Any]) -> dict[str, Any]:
+    """A contract request in the llmapi model's names; refuses what that model has no input for (num_draft_tokens:
+    its speculation is fixed by model.yaml's speculative_config; min_tokens, end_id: not declared)."""
+    out, missing = {}, []
+    for key, value in request.items():
+        if key in LLMAPI_NAMES:
+            out[LLMAPI_NAMES[key]] = value
+        elif key == "num_draft_tokens" and value is not None:
+            missing.append(f"{key} (speculation is set by model.yaml's speculative_config, not per request)")
+        elif key != "proposer":
+            missing.append(key)
+    if missing:
+        raise ValueError(f"the llmapi model ({LLMAPI_MODEL}) has no input for {', '.join(missing)}; leave them out")
+    return out

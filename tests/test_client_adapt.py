@@ -71,3 +71,33 @@ def test_loadtest_payload_speaks_the_release_or_refuses_with_the_reason(tiny_tok
         session("trtllm-0.18", "tensorrt_llm_bls").payload(batch, {"num_draft_tokens": 4})
     with pytest.raises(UsageError, match="cannot stream with speculation"):
         session("trtllm-0.19", "tensorrt_llm_bls").payload(chat, {"num_draft_tokens": 4})
+
+
+@pytest.mark.parametrize("family", ["0.20", "0.21", "1.0", "1.1", "1.2"])
+def test_trtllm_0_20_and_later_take_the_contract_names(family):
+    """From 0.20 the releases call them seed / min_tokens (the contract's names): sent as they are."""
+    out, echoed = adapt_request(f"trtllm-{family}", "ensemble", body(seed=3, min_tokens=2, return_perf_metrics=True))
+    assert out["seed"] == 3 and out["min_tokens"] == 2 and out["return_perf_metrics"] is True
+    assert "random_seed" not in out and "min_length" not in out and not echoed
+    spec, echoed = adapt_request(f"trtllm-{family}", "tensorrt_llm_bls", body(num_draft_tokens=4, seed=1))
+    assert spec["stream"] is False and spec["exclude_input_in_output"] is False and spec["seed"] == 1 and echoed
+    with pytest.raises(RequestError, match="cannot stream with speculation"):
+        adapt_request(f"trtllm-{family}", "tensorrt_llm_bls", body(num_draft_tokens=4, stream=True))
+
+
+def test_a_0_19_name_sent_to_a_0_20_deployment_is_refused_with_the_rename():
+    from specbuild.pipeline.contract import request_problems
+    problems = request_problems("trtllm-1.2", "ensemble", {"text_input": "x", "max_tokens": 4, "random_seed": 1})
+    assert problems and "no input 'random_seed'" in problems[0]
+    assert request_problems("trtllm-0.19", "ensemble", {"text_input": "x", "max_tokens": 4, "seed": 1}) == [
+        "ensemble (tensorrtllm_backend 0.19): 'seed' is called 'random_seed' in this release"]
+
+
+def test_llmapi_model_takes_sampling_param_names():
+    from specbuild.pipeline.contract import llmapi_request
+    out = llmapi_request(body(seed=3, temperature=0.0, return_perf_metrics=True))
+    assert out == {"text_input": "Hello", "sampling_param_max_tokens": 8, "streaming": False,
+                   "sampling_param_temperature": 0.0, "sampling_param_seed": 3,
+                   "sampling_param_return_perf_metrics": True, "sampling_param_exclude_input_from_output": True}
+    with pytest.raises(ValueError, match="num_draft_tokens .*speculative_config"):
+        llmapi_request(body(num_draft_tokens=4))
