@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
-from specbuild.cli.options import workdir_option
+from specbuild.cli.options import (api_option, lengths_option, prompts_format_option, prompts_option,
+                                   request_rate_option, sweep_option, workdir_option)
 
 
 @click.command("loadtest")
@@ -19,14 +21,19 @@ from specbuild.cli.options import workdir_option
               help="A named set of request fields, one run each; repeat to compare (the first is the baseline), "
                    "e.g. --setting off:num_draft_tokens=0 --setting ngram:num_draft_tokens=4,proposer=ngram; "
                    "one alone measures that configuration. Exclusive with --compare.")
+@sweep_option
+@api_option
 @click.option("--url", default=None,
-              help="Triton HTTP endpoint. Default: the server `specbuild serve` started in --workdir (its gRPC and "
+              help="Triton HTTP endpoint, or with --api openai-* the server's base URL (a --setting may name its "
+                   "own: url=...). Default: the server `specbuild serve` started in --workdir (its gRPC and "
                    "metrics ports too), else http://127.0.0.1:8000.")
 @click.option("--grpc-url", default=None, help="Triton gRPC host:port (default: the --url host, port 8001).")
 @click.option("--metrics-url", default=None,
-              help="Triton metrics endpoint (default: the --url host, port 8002, /metrics); '' to skip.")
+              help="Prometheus metrics endpoint (default: the --url host, port 8002, /metrics; with --api openai-*: "
+                   "<url>/metrics); '' to skip.")
 @click.option("--model", default=None,
-              help="Client-facing model (default: tensorrt_llm_bls when comparing num_draft_tokens, else ensemble).")
+              help="Client-facing model (default: tensorrt_llm_bls when comparing num_draft_tokens, else ensemble); "
+                   "with --api openai-*: the request's model field (default: the first of the server's /v1/models).")
 @click.option("--protocol", type=click.Choice(["http", "grpc"]), default="http", show_default=True,
               help="http: /generate_stream (SSE) and /generate; grpc: tritonclient streaming.")
 @click.option("--tokenizer", type=click.Path(resolve_path=True, exists=True), default=None,
@@ -36,6 +43,10 @@ from specbuild.cli.options import workdir_option
 @click.option("--out", type=click.Path(resolve_path=True, file_okay=False), default="report", show_default=True,
               help="Report directory (report.json, report.md, PNG plots, runs/ with Locust CSVs).")
 @click.option("--users", type=int, default=None, help="Override every profile's concurrent users.")
+@request_rate_option
+@prompts_option
+@prompts_format_option
+@lengths_option
 @click.option("--duration", type=float, default=None,
               help="Override every profile's seconds of load per run (a minimum: see --min-requests).")
 @click.option("--min-requests", type=int, default=None,
@@ -60,17 +71,19 @@ from specbuild.cli.options import workdir_option
 @click.option("--stop-timeout", type=float, default=5.0, show_default=True,
               help="Seconds in-flight requests may take to finish when a run's duration is over.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt draw.")
-def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, model, protocol, tokenizer, workdir, out,
-                     users, duration, min_requests, max_duration, max_tokens, max_input_tokens, max_p95_ttft_ms,
-                     max_p95_tpot_ms, max_error_rate, workers, cross_check, stop_timeout, seed):
+def loadtest_command(profiles, compare, settings, sweep, api, url, grpc_url, metrics_url, model, protocol, tokenizer,
+                     workdir, out, users, request_rate, prompts, prompts_format, lengths, duration, min_requests,
+                     max_duration, max_tokens, max_input_tokens, max_p95_ttft_ms, max_p95_tpot_ms, max_error_rate,
+                     workers, cross_check, stop_timeout, seed):
     """Load-test a running deployment with Locust and write one report.
 
-    Runs headless Locust once per profile x setting (--compare value or --setting), each until both
-    its duration has passed and --min-requests requests completed (or its ceiling: "too slow to
-    measure here"), scrapes Triton's metrics before and after, and writes OUT/report.json,
-    OUT/report.md, OUT/summary.csv, OUT/profile_export_genai_perf.json (GenAI-Perf's names) and PNG
-    plots (TTFT/ITL/e2e distributions, throughput, the "batch vs interactive" gain table). The report
-    is written whatever happens. Exit code 3 when an SLO gate fails, 4 when the server stopped
+    Runs headless Locust once per profile x (sweep point x) setting (--compare value or --setting), each
+    until both its duration has passed and --min-requests requests completed (or its ceiling: "too slow
+    to measure here"), scrapes the server's metrics before and after, and writes OUT/report.json,
+    OUT/report.md, OUT/summary.csv, OUT/profile_export_genai_perf.json and
+    OUT/profile_export_aiperf.{json,csv} (GenAI-Perf's and AIPerf's names) and PNG plots
+    (TTFT/ITL/e2e distributions, throughput; with --sweep the gain by load and the Pareto plot). The
+    report is written whatever happens. Exit code 3 when an SLO gate fails, 4 when the server stopped
     answering, 1 when a run produced nothing, 130 on Ctrl-C.
 
     \b
@@ -82,12 +95,25 @@ def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, mo
           --setting draft:num_draft_tokens=4,proposer=draft --setting ngram:num_draft_tokens=4,proposer=ngram
       specbuild loadtest --tokenizer ./target --profile chat --users 1 --duration 10 \\
           --max-p95-ttft-ms 500 --max-error-rate 0.01
+      specbuild loadtest --workdir work --profile chat --profile batch --sweep users=1,2,4,8 \\
+          --setting off:num_draft_tokens=0 --setting policy:default --setting draft:num_draft_tokens=4
+      specbuild loadtest --api openai-completions --tokenizer ./target --profile chat --sweep users=1,2,4 \\
+          --setting off:url=http://127.0.0.1:8080 --setting draft:url=http://127.0.0.1:8081
+      specbuild loadtest --api openai-chat --url http://127.0.0.1:8080 --tokenizer ./target \\
+          --prompts sharegpt.json --lengths data --request-rate 2
     """
     from specbuild.pipeline.loadtest import LoadtestConfig, loadtest
     from specbuild.pipeline.serve import endpoints
 
-    where = endpoints(workdir, url, grpc_url, metrics_url)
-    url, grpc_url, metrics_url = where.http, where.grpc, where.metrics
+    if api == "kserve":
+        where = endpoints(workdir, url, grpc_url, metrics_url)
+        url, grpc_url, metrics_url = where.http, where.grpc, where.metrics
+    elif url is None:   # the first setting's own url= is the base endpoint
+        named = [m.group(1) for s in settings if (m := re.search(r"[:,]\s*url\s*=\s*([^,]+)", s))]
+        if not named:
+            raise click.UsageError(f"--api {api} needs --url (the server's base URL, e.g. http://127.0.0.1:8080) "
+                                   "or a url=... in a --setting.")
+        url = named[0].strip()
 
     cfg = LoadtestConfig(profiles=tuple(profiles), compare=compare, settings=tuple(settings), url=url.rstrip("/"), grpc_url=grpc_url,
                          metrics_url=metrics_url, model=model, protocol=protocol, tokenizer=tokenizer,
@@ -96,5 +122,7 @@ def loadtest_command(profiles, compare, settings, url, grpc_url, metrics_url, mo
                          max_input_tokens=max_input_tokens,
                          max_p95_ttft_ms=max_p95_ttft_ms, max_p95_tpot_ms=max_p95_tpot_ms,
                          max_error_rate=max_error_rate, workers=workers, cross_check=cross_check,
-                         stop_timeout=stop_timeout, seed=seed, progress_bar=True)
+                         stop_timeout=stop_timeout, seed=seed, progress_bar=True, api=api, sweep=tuple(sweep),
+                         request_rate=request_rate, prompts=Path(prompts) if prompts else None,
+                         prompts_format=prompts_format, lengths=lengths)
     loadtest(cfg, progress=lambda msg: click.echo(msg, err=True))

@@ -61,3 +61,37 @@ rehearse_option = click.option(
     help="trtllm only, on a machine without TensorRT-LLM: record the exact plan (argv, files) as --dry-run does, "
          "keep what the CPU stand-in needs (the Hugging Face checkpoints) and write the real model repository, for "
          "`specbuild serve --rehearse`. The manifests say it is a rehearsal; a GPU deploy refuses its engines.")
+
+# --- load-test traffic (loadtest; tune can reuse them) -------------------------------------------------------
+
+api_option = click.option(
+    "--api", type=click.Choice(["kserve", "openai-completions", "openai-chat"]), default="kserve",
+    show_default=True,
+    help="kserve: Triton's /v2/models/<m>/generate(_stream) (or gRPC); openai-completions / openai-chat: any "
+         "OpenAI-compatible server's /v1/completions or /v1/chat/completions (vLLM, SGLang, trtllm-serve, "
+         "llama.cpp's llama-server), --url being its base URL.")
+
+sweep_option = click.option(
+    "--sweep", "sweep", multiple=True, metavar="[PROFILE:]users=1,2,4,8",
+    help="Run every setting at every load point: users=... (closed loop) or request_rate=... (open loop, "
+         "requests/s); PROFILE: limits it to one profile (repeat per profile). The report adds the gain by "
+         "load, the crossover and the Pareto plot.")
+
+request_rate_option = click.option(
+    "--request-rate", type=float, default=None, metavar="REQ/S",
+    help="Open loop: requests arrive as a Poisson process of this rate (per second), whatever is in flight, "
+         "instead of --users closed-loop users.")
+
+prompts_option = click.option(
+    "--prompts", "prompts", type=click.Path(exists=True, dir_okay=False, resolve_path=True), default=None,
+    help="Your own prompts: a JSONL file in GenAI-Perf / AIPerf's input-file shape ({\"text\": ..., "
+         "\"output_length\": N} per line) or a ShareGPT JSON file, instead of the profile's prompt set.")
+
+prompts_format_option = click.option(
+    "--prompts-format", type=click.Choice(["auto", "jsonl", "sharegpt"]), default="auto", show_default=True,
+    help="Format of --prompts (auto: ShareGPT when a record has \"conversations\").")
+
+lengths_option = click.option(
+    "--lengths", type=click.Choice(["profile", "data"]), default="profile", show_default=True,
+    help="With --prompts: profile = the profile's max_tokens and max_input_tokens for every request; data = "
+         "each record's output length (output_length, or the ShareGPT reply's tokens) and its prompt as is.")

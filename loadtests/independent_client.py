@@ -1,6 +1,7 @@
 """A minimal independent client (asyncio + httpx) that measures the same kind of requests as the Locust
 user, to check the harness: same prompts, payload, concurrency, think time and duration; TTFT = first
-non-empty streamed piece, e2e = end of the stream (or of the /generate body).
+non-empty streamed piece, e2e = end of the stream (or of the /generate body). Same wire format
+(`specbuild.pipeline.wire`: KServe or OpenAI), another transport and event loop.
 
     python -m specbuild.loadtests.independent_client RUNSPEC.json --users 4 --duration 10
 """
@@ -18,32 +19,31 @@ from typing import Any
 import httpx
 
 from specbuild.loadtests.runspec import RunSpec
+from specbuild.pipeline import wire
 
 
 async def _one(client: httpx.AsyncClient, spec: RunSpec, prompt: str) -> dict[str, Any]:
-    path = f"{spec.url}/v2/models/{spec.model}/generate" + ("_stream" if spec.stream else "")
-    body = {"text_input": prompt, **spec.payload}
+    path, body = wire.encode(spec.api, prompt, spec.payload, model=spec.model, stream=spec.stream)
+    url = spec.url.rstrip("/") + path
     t0 = time.perf_counter()
     ttft = None
     if not spec.stream:
-        resp = await client.post(path, json=body)
+        resp = await client.post(url, json=body)
         e2e = (time.perf_counter() - t0) * 1000
-        return {"ok": resp.status_code == 200 and "error" not in resp.json(), "ttft_ms": None, "e2e_ms": e2e}
-    ok = True
-    buf = b""
-    async with client.stream("POST", path, json=body) as resp:
+        ok = resp.status_code == 200 and not wire.parse_body(spec.api, resp.content).error
+        return {"ok": ok, "ttft_ms": None, "e2e_ms": e2e}
+    lines = wire.LineBuffer()
+    async with client.stream("POST", url, json=body) as resp:
         ok = resp.status_code == 200
         async for chunk in resp.aiter_raw():
             now = time.perf_counter()   # arrival time, taken before any parsing
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if not line.startswith(b"data:"):
+            for line in lines.feed(chunk):
+                event = wire.parse_line(spec.api, line)
+                if event is None:
                     continue
-                data = json.loads(line[5:])
-                if "error" in data:
+                if event.error:
                     ok = False
-                elif ttft is None and data.get("text_output"):
+                elif ttft is None and event.text:
                     ttft = (now - t0) * 1000
     return {"ok": ok, "ttft_ms": ttft, "e2e_ms": (time.perf_counter() - t0) * 1000}
 

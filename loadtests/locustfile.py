@@ -22,6 +22,7 @@ import os
 import random
 import sys
 
+import gevent
 from locust import events, task
 
 from specbuild.loadtests.runspec import ENV_VAR, GATE_EXIT_CODE, SERVER_GONE_EXIT_CODE, RunSpec
@@ -32,21 +33,53 @@ log = logging.getLogger(__name__)
 
 
 class SpecbuildUser(TritonUser):
+    """Closed loop (one request in flight, then think time), or with `spec.request_rate` an open loop: this
+    user sends its share of a Poisson arrival process, each request on its own greenlet and connection
+    (connections are reused once free), whatever is still in flight."""
+
     spec: RunSpec   # set by _configure
 
     def wait_time(self):
+        if self.spec.request_rate:
+            return 0.0   # the open loop's task sleeps its exponential gaps itself
         lo, hi = self.spec.wait_time
         return random.uniform(lo, hi) if hi > 0 else 0.0
 
     def on_start(self):
         self._rng = random.Random(f"{self.spec.seed}-{id(self)}")
+        self._idle_clients: list = []
+        self._in_flight: set = set()
         super().on_start()
+
+    def on_stop(self):
+        if self._in_flight:   # the open loop's requests still running get the stop timeout to finish
+            gevent.joinall(list(self._in_flight), timeout=self.spec.request_timeout_s)
+        for client in self._idle_clients:
+            client.close()
+        super().on_stop()
+
+    def _draw(self):
+        i = self._rng.randrange(len(self.spec.prompts))
+        counts, outs = self.spec.prompt_tokens, self.spec.prompt_output_tokens
+        return self.spec.prompts[i], counts[i] if i < len(counts) else None, outs[i] if i < len(outs) else None
 
     @task
     def generate_text(self):
-        i = self._rng.randrange(len(self.spec.prompts))
-        counts = self.spec.prompt_tokens
-        self.generate(self.spec.prompts[i], counts[i] if i < len(counts) else None)
+        if not self.spec.request_rate:
+            self.generate(*self._draw())
+            return
+        rate = self.spec.request_rate / max(1, self.spec.open_loop_users)
+        gevent.sleep(self._rng.expovariate(rate))
+        g = gevent.spawn(self._one_open_loop_request, *self._draw())
+        self._in_flight.add(g)
+        g.link(self._in_flight.discard)
+
+    def _one_open_loop_request(self, prompt, input_tokens, output_tokens):
+        client = self._idle_clients.pop() if self._idle_clients else self.new_client()
+        try:
+            self.generate(prompt, input_tokens, output_tokens, client=client)
+        finally:
+            self._idle_clients.append(client)
 
 
 @events.init_command_line_parser.add_listener

@@ -60,6 +60,7 @@ class Profile:
     exclude_input_in_output: bool = True
     min_requests: int = 10               # a run goes on past `duration` until this many requests completed...
     max_duration: float | None = None    # ...up to this hard ceiling (None: max(4 x duration, duration + 60))
+    request_rate: float | None = None    # open loop: Poisson arrivals per second (None: closed loop, `users`)
     description: str = ""
     source: str = field(default="", compare=False)   # where it was loaded from (for messages)
 
@@ -73,6 +74,8 @@ class Profile:
         _check(self.min_requests >= 1, where, "min_requests", self.min_requests, "an integer >= 1")
         _check(self.max_duration is None or self.max_duration >= self.duration, where, "max_duration",
                self.max_duration, f"seconds >= duration ({self.duration:g})")
+        _check(self.request_rate is None or self.request_rate > 0, where, "request_rate", self.request_rate,
+               "requests per second > 0 (or leave it out: a closed loop of `users`)")
         _check(self.temperature >= 0, where, "temperature", self.temperature, "a float >= 0")
         _check(self.top_k is None or self.top_k >= 0, where, "top_k", self.top_k, "an integer >= 0")
         _check(self.top_p is None or 0 < self.top_p <= 1, where, "top_p", self.top_p, "a float in (0, 1]")
@@ -95,12 +98,14 @@ class Profile:
 
     def with_overrides(self, *, users: int | None = None, duration: float | None = None,
                        max_tokens: int | None = None, max_input_tokens: int | None = None,
-                       min_requests: int | None = None, max_duration: float | None = None) -> "Profile":
+                       min_requests: int | None = None, max_duration: float | None = None,
+                       request_rate: float | None = None) -> "Profile":
         """CLI overrides for short runs (`--users`, `--duration`, `--max-tokens`, `--max-input-tokens`,
-        `--min-requests`, `--max-duration`); validated like the file."""
+        `--min-requests`, `--max-duration`, `--request-rate`) and sweep points; validated like the file."""
         changes = {k: v for k, v in (("users", users), ("duration", duration), ("max_tokens", max_tokens),
                                      ("max_input_tokens", max_input_tokens), ("min_requests", min_requests),
-                                     ("max_duration", max_duration)) if v is not None}
+                                     ("max_duration", max_duration), ("request_rate", request_rate))
+                   if v is not None}
         if "duration" in changes and "max_duration" not in changes and self.max_duration is not None \
                 and self.max_duration < changes["duration"]:
             changes["max_duration"] = None   # the file's ceiling is below the new duration: the default one
@@ -127,6 +132,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "temperature": (int, float), "top_k": (int,), "top_p": (int, float), "seed": (int,),
     "max_input_tokens": (int,), "return_perf_metrics": (bool,), "exclude_input_in_output": (bool,),
     "chat_template": (bool,), "fixed_output": (bool,), "min_requests": (int,), "max_duration": (int, float),
+    "request_rate": (int, float),
 }
 _REQUIRED = ("users", "duration", "stream", "max_tokens", "prompt_set")
 
@@ -162,7 +168,7 @@ def profile_from_dict(data: dict[str, Any], *, name: str, source: str = "") -> P
     if len(wait) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in wait):
         raise UsageError(f"{where}: wait_time = {wait!r} must be [min, max] in seconds, e.g. [0.5, 2.0].")
     values["wait_time"] = (float(wait[0]), float(wait[1]))
-    for key in ("duration", "spawn_rate", "temperature", "top_p", "max_duration"):
+    for key in ("duration", "spawn_rate", "temperature", "top_p", "max_duration", "request_rate"):
         if key in values:
             values[key] = float(values[key])
     values.setdefault("name", name)

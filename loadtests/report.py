@@ -104,12 +104,13 @@ def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, me
     }
     if cross_check:
         out["cross_check"] = cross_check
-    out["_genai_perf"] = export.genai_perf_export(cell.samples, stream=stream, window_s=window,
-                                                  input_config={"profile": cell.profile, "setting": cell.setting,
-                                                                "streaming": stream, "concurrency": users,
-                                                                **(input_config or {})})
+    config = {"profile": cell.profile, "setting": cell.setting, "streaming": stream, "concurrency": users,
+              **(input_config or {})}
+    out["_genai_perf"] = export.genai_perf_export(cell.samples, stream=stream, window_s=window, input_config=config)
+    out["_aiperf"] = export.aiperf_export(cell.samples, stream=stream, window_s=window, input_config=config)
     out["_raw"] = {"ttft_ms": [s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None],
-                   "itl_ms": [g for s in ok for g in s.get("itl_ms", [])], "e2e_ms": [s["e2e_ms"] for s in ok]}
+                   "itl_ms": [g for s in ok for g in s.get("itl_ms", [])], "e2e_ms": [s["e2e_ms"] for s in ok],
+                   "tokens": [s["tokens"] for s in ok], "tpot_ms": [s.get("tpot_ms") for s in ok]}
     if gates is not None and gates.active:
         problems = gates.violations(p95_ttft_ms=_p(out["ttft_ms"], "p95"), p95_tpot_ms=_p(out["tpot_ms"], "p95"),
                                     p95_e2e_ms=_p(out["e2e_ms"], "p95"),
@@ -140,11 +141,14 @@ def gain_table(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[s
     if baseline is None:
         return []
     rows = []
+    point = lambda c: (c.get("sweep") or {}).get("value")  # noqa: E731  (a sweep pairs cells at one point)
     for off in (c for c in cells if c["setting"] == baseline):
-        for on in (c for c in cells if c["profile"] == off["profile"] and c["setting"] != baseline):
+        for on in (c for c in cells if c["profile"] == off["profile"] and c["setting"] != baseline
+                   and point(c) == point(off)):
             acc = on["acceptance"]
             rows.append({
                 "profile": on["profile"], "setting": on["setting"], "baseline": baseline,
+                "users": on.get("users"), "sweep": on.get("sweep"),
                 "ttft_speedup": _ratio(_p(off["ttft_ms"], "p50"), _p(on["ttft_ms"], "p50")),
                 "tpot_speedup": _ratio(_p(off["tpot_ms"], "p50"), _p(on["tpot_ms"], "p50")),
                 "e2e_speedup": _ratio(_p(off["e2e_ms"], "p50"), _p(on["e2e_ms"], "p50")),
@@ -152,6 +156,7 @@ def gain_table(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[s
                 "acceptance_rate": acc["responses"]["acceptance_rate"]
                 if acc["responses"]["acceptance_rate"] is not None else acc["server_metrics"].get("acceptance_rate"),
                 "mean_accepted_length": acc["server_metrics"].get("mean_accepted_length"),
+                "acceptance_per_position": acc["server_metrics"].get("per_position"),
             })
     return rows
 
@@ -159,14 +164,20 @@ def gain_table(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[s
 def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
     """Write report.json, report.md and the plots into `out_dir`; returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    from specbuild.loadtests.sweep_report import sweep_plots
+
     paths = {"json": out_dir / "report.json", "md": out_dir / "report.md",
              "genai_perf": export.write_genai_perf(out_dir, report["cells"]),
+             **export.write_aiperf(out_dir, report["cells"]),
              "csv": export.write_summary_csv(out_dir, report["cells"])}
     paths.update(_plots(out_dir, report["cells"]))
+    paths.update(sweep_plots(out_dir, report.get("curves") or [], report["cells"]))
     for c in report["cells"]:
         c.pop("_raw", None)   # raw samples stay in the run directories, not in report.json
         c.pop("_genai_perf", None)   # in profile_export_genai_perf.json
-    report["plots"] = {k: p.name for k, p in paths.items() if k not in ("json", "md", "genai_perf", "csv")}
+        c.pop("_aiperf", None)   # in profile_export_aiperf.json
+    report["plots"] = {k: p.name for k, p in paths.items()
+                       if k not in ("json", "md", "genai_perf", "aiperf_json", "aiperf_csv", "csv")}
     paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n")
     paths["md"].write_text(render_markdown(report))
     return paths
@@ -177,21 +188,40 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
+    from specbuild.loadtests.sweep_report import curves_markdown, speculation_markdown
+
+    api = report.get("api", "kserve")
     lines = ["# Load test report", "", f"- target: `{report['url']}` model `{report['model']}` "
-             f"over {report['protocol']}", f"- started: {report['started']}",
-             f"- status: {report['status']}", ""]
+             f"over {report['protocol'] if api == 'kserve' else api}", f"- started: {report['started']}",
+             f"- status: {report['status']}"]
+    machine = report.get("machine") or {}
+    if machine:
+        lines.append(f"- machine: {machine.get('platform')}, {machine.get('cpu_count')} CPUs, load generator on "
+                     f"CPUs {machine.get('cpu_affinity')}")
+    if report.get("sweep"):
+        lines.append("- sweep: " + "; ".join(f"{p} {s['param']} = {', '.join(f'{v:g}' for v in s['values'])}"
+                                            for p, s in report["sweep"].items()))
+    if report.get("prompts"):
+        pr = report["prompts"]
+        lines.append(f"- prompts: {pr['records']} records from `{pr['file']}` ({pr['format']}), lengths from "
+                     f"{'the data' if pr['lengths'] == 'data' else 'the profile'}")
+    lines.append("")
     if report.get("note"):
         lines += [f"**{report['note']}**", ""]
     lines += ["## Latency and throughput", "",
-              "| profile | setting | status | req | err | TTFT p50/p95 ms | ITL p50/p95 ms | TPOT p50/p95 ms | "
-              "e2e p50/p95 ms | tok/s | acceptance |", "|" + "---|" * 11]
+              "| profile | setting | load | status | req | err | TTFT p50/p95 ms | ITL p50/p95 ms | TPOT p50/p95 ms | "
+              "e2e p50/p95 ms | tok/s | acceptance | client CPU (cores) |", "|" + "---|" * 13]
     for c in report["cells"]:
         pair = lambda d: f"{_f(_p(d, 'p50'))} / {_f(_p(d, 'p95'))}"  # noqa: E731
-        lines.append(f"| {c['profile']} | {c['setting']} | {c.get('status', 'ok')} | {c['requests']} | "
+        load = (f"{c['sweep']['param']}={c['sweep']['value']:g}" if c.get("sweep") else
+                f"rate={c['request_rate']:g}/s" if c.get("request_rate") else f"users={c.get('users')}")
+        lines.append(f"| {c['profile']} | {c['setting']} | {load} | {c.get('status', 'ok')} | {c['requests']} | "
                      f"{c['failures']} | {pair(c['ttft_ms'])} | "
                      f"{pair(c['itl_ms'])} | {pair(c['tpot_ms'])} | {pair(c['e2e_ms'])} | "
-                     f"{_f(c['tokens_per_s'])} | {_f(c['acceptance']['responses']['acceptance_rate'], '{:.2f}')} |")
-    if report.get("gains"):
+                     f"{_f(c['tokens_per_s'])} | {_f(c['acceptance']['responses']['acceptance_rate'], '{:.2f}')} | "
+                     f"{_f((c.get('client_cpu') or {}).get('cores'), '{:.2f}')} |")
+    lines += curves_markdown(report.get("curves") or [])
+    if report.get("gains") and not report.get("curves"):
         lines += ["", "## Batch vs interactive: what speculation buys", "",
                   "Ratios of medians, speculation off / on for latencies (> 1 = faster), on / off for tok/s.", "",
                   "| profile | setting vs baseline | TTFT | TPOT | e2e | tok/s | acceptance rate | mean accepted len |",
@@ -201,6 +231,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{_f(g['tpot_speedup'], '{:.2f}x')} | {_f(g['e2e_speedup'], '{:.2f}x')} | "
                          f"{_f(g['throughput_gain'], '{:.2f}x')} | {_f(g['acceptance_rate'], '{:.2f}')} | "
                          f"{_f(g['mean_accepted_length'], '{:.2f}')} |")
+    lines += speculation_markdown(report["cells"])
     lines += ["", "## Measurement quality", "",
               "| profile | setting | harness overhead p50 ms | zero-work probe p50 ms | Locust CSV E2E median | "
               "cross-check TTFT / e2e (independent / Locust) |", "|" + "---|" * 6]
@@ -227,8 +258,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         for c in gated:
             verdict = "pass" if c["gates"]["passed"] else "FAIL: " + "; ".join(c["gates"]["violations"])
             lines.append(f"- {c['profile']} / {c['setting']}: {verdict}")
-    lines += ["", f"Also here: `{export.SUMMARY_CSV}` (one row per run) and `{export.GENAI_PERF_FILE}` "
-              "(GenAI-Perf's metric names and statistics; see docs/loadtests.md)."]
+    lines += ["", f"Also here: `{export.SUMMARY_CSV}` (one row per run), `{export.GENAI_PERF_FILE}` (GenAI-Perf's "
+              f"metric names and statistics) and `{export.AIPERF_JSON}` / `{export.AIPERF_CSV}` (AIPerf's); see "
+              "docs/loadtests.md."]
     if report.get("plots"):
         lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in report["plots"].items()]
     return "\n".join(lines) + "\n"

@@ -76,6 +76,15 @@ class RunSpec:
     max_connection_errors: int = 5
     run_dir: str = ""                # where the ending Locust process writes STOP_FILE (default: samples_dir/..)
     prompt_tokens: list[int] = field(default_factory=list)   # tokens of each prompt (input_sequence_length)
+    api: str = "kserve"              # wire.APIS: "kserve" | "openai-completions" | "openai-chat"
+    datatypes: dict[str, str] = field(default_factory=dict)   # gRPC datatype of each payload field (wire)
+    # Output tokens asked per prompt (from the data: a prompt file's output_length, ShareGPT's reply), or
+    # empty: the payload's max_tokens for every prompt.
+    prompt_output_tokens: list[int] = field(default_factory=list)
+    # Open loop: requests arrive as a Poisson process of this many per second in all (None = closed loop,
+    # one request in flight per user). Each of `open_loop_users` Locust users sends its share.
+    request_rate: float | None = None
+    open_loop_users: int = 1
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self)))

@@ -30,9 +30,9 @@ def is_connection_error(exc: BaseException) -> bool:
 
     if isinstance(exc, (ConnectionError, HTTPConnectionClosed)):
         return True
-    text = str(exc)
-    return any(s in text for s in ("StatusCode.UNAVAILABLE", "Connection refused", "Socket closed",
-                                   "failed to connect"))
+    from specbuild.pipeline.wire import is_connection_error_text
+
+    return is_connection_error_text(str(exc))
 
 
 class RunMonitor:

@@ -6,13 +6,14 @@ does not exist or a parameter the model does not take fails fast with a message 
 
 from __future__ import annotations
 
-import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from specbuild.pipeline import wire
 from specbuild.pipeline.errors import ServerError, UsageError
 from specbuild.pipeline.metrics import metric_sum, parse_prometheus
 
@@ -42,7 +43,7 @@ def preflight(url: str, model: str, *, timeout: float = 10.0) -> ModelInfo:
         meta = _get(client, f"{url}/v2/models/{model}")
         if meta.status_code != 200:
             known = _model_names(client, url)
-            raise UsageError(f"model {model!r} does not exist on {url} ({_error(meta)}); models there: "
+            raise UsageError(f"model {model!r} does not exist on {url} ({wire.error_message(meta.text)}); models there: "
                              f"{known or 'none'}. Pass one of them with --model.")
         if _get(client, f"{url}/v2/models/{model}/ready").status_code != 200:
             raise ServerError(f"model {model!r} on {url} is not ready; load it (explicit model control) "
@@ -78,33 +79,58 @@ def check_inputs(info: ModelInfo, names: list[str]) -> None:
         raise UsageError(f"model {info.name!r} has no input(s) {missing} (it takes {list(info.inputs)}).{hint}")
 
 
-def smoke_request(url: str, model: str, payload: dict[str, Any], stream: bool, timeout: float = 120.0) -> None:
+def preflight_openai(url: str, model: str | None, *, timeout: float = 10.0) -> ModelInfo:
+    """An OpenAI-compatible server: up and ready (`/health`, where it has one), `model` among `/v1/models`
+    (default: the first one it serves). Any request field may be sent (servers ignore or refuse unknown
+    ones: the smoke request tells)."""
+    with httpx.Client(timeout=timeout) as client:
+        try:
+            health = client.get(f"{url}/health")
+            listed = client.get(f"{url}/v1/models")
+        except httpx.HTTPError as e:
+            raise ServerError(f"no OpenAI-compatible server answers at {url} ({type(e).__name__}: {e}). Start it "
+                              "or pass the right --url (the base URL, without /v1).") from e
+    if health.status_code not in (200, 404):   # 404: no /health route; 503: still loading the model
+        raise ServerError(f"the server at {url} is up but not ready (GET /health: HTTP {health.status_code}: "
+                          f"{wire.error_message(health.text)}); wait for the model to load.")
+    if listed.status_code != 200:
+        raise UsageError(f"{url}/v1/models answers HTTP {listed.status_code}; is {url} an OpenAI-compatible "
+                         "server (pass the base URL, without /v1)?")
+    try:
+        ids = [m["id"] for m in listed.json().get("data", [])]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ids = []
+    if model is None:
+        if not ids:
+            raise UsageError(f"{url}/v1/models lists no model; pass --model NAME.")
+        model = ids[0]
+    elif ids and model not in ids:
+        raise UsageError(f"model {model!r} is not served at {url}; models there: {ids}. Pass one with --model.")
+    return ModelInfo(model, (), False)
+
+
+def smoke_request(url: str, model: str, payload: dict[str, Any], stream: bool, timeout: float = 120.0,
+                  api: str = wire.KSERVE) -> None:
     """One short real request with the run's exact payload, so a refused parameter fails before the load."""
-    body = {**payload, "text_input": "Hello", "max_tokens": 2}
-    path = f"{url}/v2/models/{model}/generate" + ("_stream" if stream else "")
+    fields = {**payload, "max_tokens": 2}
+    for fixed in ("min_tokens", "min_length"):   # a fixed output length, cut to the smoke's 2 tokens
+        if fixed in fields:
+            fields[fixed] = min(2, fields[fixed])
+    path, body = wire.encode(api, "Hello", fields, model=model, stream=stream)
     try:
         with httpx.Client(timeout=timeout) as client:
-            resp = client.post(path, json=body)
+            resp = client.post(url + path, json=body)
     except httpx.HTTPError as e:
-        raise ServerError(f"the smoke request to {path} failed ({type(e).__name__}: {e}).") from e
-    text = resp.text
-    err = None
+        raise ServerError(f"the smoke request to {url + path} failed ({type(e).__name__}: {e}).") from e
     if resp.status_code != 200:
-        err = _error(resp)
+        err = wire.error_message(resp.text)
     elif stream:
-        for line in text.splitlines():
-            if line.startswith("data:") and "error" in (data := json.loads(line[5:])):
-                err = data["error"]
+        err = wire.first_error(filter(None, (wire.parse_line(api, line) for line in resp.text.splitlines())))
+    else:
+        err = wire.parse_body(api, resp.content).error
     if err:
         raise UsageError(f"the deployment refused a request with this run's parameters "
-                         f"{sorted(body)}: {err}. Fix the profile / --compare values.")
-
-
-def _error(resp: httpx.Response) -> str:
-    try:
-        return resp.json().get("error", resp.text[:200])
-    except ValueError:
-        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+                         f"{sorted(body)}: {err}. Fix the profile / --compare / --setting values.")
 
 
 def _model_names(client: httpx.Client, url: str) -> list[str]:
@@ -129,7 +155,8 @@ def scrape(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | 
     return out
 
 
-IN_FLIGHT_GAUGES = ("specbuild_live_requests",)   # the embedded engine's requests not yet answered in full
+# Requests not yet answered in full: the embedded engine's, llama.cpp's server's, vLLM's.
+IN_FLIGHT_GAUGES = ("specbuild_live_requests", "llamacpp:requests_processing", "vllm:num_requests_running")
 
 
 def in_flight(samples: dict[str, float] | None) -> float | None:
@@ -183,19 +210,64 @@ def _sum(deltas: dict[str, float], pred) -> float | None:
     return sum(vals) if vals else None
 
 
-def spec_summary(deltas: dict[str, float]) -> dict[str, Any]:
-    """Acceptance figures from the deployment's custom spec-decoding counters, if it exports any.
+# The vLLM counter schema (vllm/v1/spec_decode/metrics.py `SpecDecodingProm`), which llama.cpp's server,
+# AIPerf and our embedded server also use; Prometheus clients print counters with a `_total` suffix.
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+_POSITION = re.compile(r'position="(\d+)"')
 
-    Counter names are matched loosely (`*accepted*`, `*draft*token*`, `*draft*step*|*num_drafts*`), as in
-    `vllm bench serve`: acceptance rate = d(accepted) / d(drafted tokens), mean accepted length =
-    1 + d(accepted) / d(drafts).
+
+def _family(deltas: dict[str, float], name: str) -> dict[str, float]:
+    return {k: v for k, v in deltas.items() if k.split("{")[0] in (name, name + "_total")}
+
+
+def vllm_spec_summary(deltas: dict[str, float]) -> dict[str, Any] | None:
+    """Acceptance from the vLLM-schema counters, or None when the server exports none of them.
+
+    acceptance rate = d(accepted) / d(draft tokens); mean accepted length = 1 + d(accepted) / d(drafts)
+    (the bonus token counts, as vLLM's SpecDecodingLogging); acceptance at draft position i =
+    d(accepted_per_pos{position=i}) / d(drafts) (the fraction of drafts whose i-th token was accepted)."""
+    fams = {n: _family(deltas, n) for n in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED, VLLM_PER_POS)}
+    if not any(fams.values()):
+        return None
+    total = lambda n: sum(fams[n].values()) if fams[n] else None  # noqa: E731
+    drafts, drafted, accepted = total(VLLM_DRAFTS), total(VLLM_DRAFT_TOKENS), total(VLLM_ACCEPTED)
+    per_pos: dict[int, float] = {}
+    for key, value in fams[VLLM_PER_POS].items():
+        m = _POSITION.search(key)
+        if m:
+            per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0.0) + value
+    return {
+        "schema": "vllm", "drafts": drafts, "drafted": drafted, "accepted": accepted,
+        "acceptance_rate": accepted / drafted if accepted is not None and drafted else None,
+        "mean_accepted_length": 1 + accepted / drafts if accepted is not None and drafts else None,
+        "per_position": [per_pos.get(i, 0.0) / drafts for i in range(max(per_pos) + 1)]
+        if per_pos and drafts else None,
+        "counters_read": sorted({k.split("{")[0] for fam in fams.values() for k in fam}),
+    }
+
+
+def spec_summary(deltas: dict[str, float]) -> dict[str, Any]:
+    """Acceptance figures from the deployment's spec-decoding counters, if it exports any.
+
+    The vLLM-schema counters are read when present (`vllm_spec_summary`, preferred). Otherwise counter names
+    are matched loosely (`*accepted*`, `*draft*token*`, `*draft*step*|*num_drafts*`), as in `vllm bench
+    serve`: acceptance rate = d(accepted) / d(drafted tokens), mean accepted length = 1 + d(accepted) /
+    d(drafts); no per-position figures then.
     """
+    counters = sorted({k.split("{")[0] for k in deltas if any(s in k.lower() for s in ("draft", "accept", "spec"))})
+    found = vllm_spec_summary(deltas)
+    if found is not None:
+        return {**found, "counters": counters}
     accepted = _sum(deltas, lambda n: "accepted" in n and "rate" not in n and "per_pos" not in n)
     drafted = _sum(deltas, lambda n: "draft" in n and "token" in n and "accepted" not in n)
     drafts = _sum(deltas, lambda n: "draft" in n and ("step" in n or "num_drafts" in n or n.endswith("drafts_total")))
-    out: dict[str, Any] = {"accepted": accepted, "drafted": drafted, "drafts": drafts}
+    out: dict[str, Any] = {"schema": "matched by name" if accepted is not None or drafted is not None else None,
+                           "accepted": accepted, "drafted": drafted, "drafts": drafts}
     out["acceptance_rate"] = accepted / drafted if accepted is not None and drafted else None
     out["mean_accepted_length"] = 1 + accepted / drafts if accepted is not None and drafts else None
-    out["counters"] = sorted({k.split("{")[0] for k in deltas
-                              if any(s in k.lower() for s in ("draft", "accept", "spec"))})
+    out["per_position"] = None
+    out["counters"] = counters
     return out

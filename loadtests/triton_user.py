@@ -1,8 +1,10 @@
-"""Locust users for Triton's LLM endpoints: an abstract `TritonUser` owns a client and fires request events.
+"""Locust users for LLM endpoints (Triton's KServe generate, gRPC streaming, OpenAI completions / chat):
+an abstract `TritonUser` owns a client (`loadtests/clients.py`) and fires request events.
 
-Metrics (client side, the GenAI-Perf / `vllm bench serve` definitions):
+Metrics (client side, the GenAI-Perf / `vllm bench serve` definitions, the same for every API):
 
-- TTFT: send -> first response carrying a non-empty `text_output` (streaming only).
+- TTFT: send -> first response carrying a non-empty piece of text (`text_output`, or an OpenAI chunk's
+  `choices[0].text` / `delta.content`; streaming only).
 - ITL: every gap between consecutive non-empty streamed responses.
 - E2E: send -> final response (end of the SSE stream / the gRPC final flag / the /generate body).
 - output tokens: the joined text re-tokenized with the target's tokenizer (pieces carry their own spacing).
@@ -18,35 +20,26 @@ off before its next request (0.25 s doubling up to 5 s, so a batch user does not
 a tight loop), and after `spec.max_connection_errors` of them in a row in one process, with no success
 between, the run is ended as "server gone" (`stopping.report_server_gone`).
 
-Transports: HTTP `POST /v2/models/<m>/generate_stream` (SSE, read line by line as it arrives) or
-`/generate`; gRPC streaming through tritonclient (needs `grpc.experimental.gevent.init_gevent()`, done
-by the locustfile before any channel exists). With gRPC, non-streaming requests use the same stream
-with `stream=false` (decoupled models refuse the unary call).
+Transports: `loadtests/clients.py`; the wire format (bodies, datatypes, SSE, perf metrics, errors):
+`specbuild.pipeline.wire`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
 import gevent
 from locust import User
 
+from specbuild.loadtests.clients import GrpcClient, HttpClient, RequestFailed, Timer  # noqa: F401 (API)
 from specbuild.loadtests.runspec import RunSpec
 from specbuild.loadtests.stopping import is_connection_error, report_server_gone
 from specbuild.loadtests.tokens import TokenCounter
 
-PERF_KEYS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
-
-
-class RequestFailed(Exception):
-    """The server answered with an error (HTTP status, an SSE error event, a gRPC error)."""
 
 
 @dataclass
@@ -66,171 +59,8 @@ class Sample:
     accepted: int | None = None
     drafted: int | None = None
     acceptance_rate: float | None = None
+    server_tokens: int | None = None               # the server's own count (OpenAI usage.completion_tokens)
     overhead_ms: float = 0.0                       # time spent in harness code (parsing, counting, events)
-
-
-class Timer:
-    """Arrival times of the non-empty pieces of one request, relative to `perf_counter` at send."""
-
-    def __init__(self):
-        self.t0 = time.perf_counter()
-        self.start = time.time()
-        self.arrivals: list[float] = []
-        self.pieces: list[str] = []
-        self.perf: dict[str, float] = {}
-        self.end: float | None = None
-
-    def piece(self, text: str, now: float) -> None:
-        if text:
-            self.arrivals.append(now)
-            self.pieces.append(text)
-
-    def metrics(self, values: dict[str, Any]) -> None:
-        for k in PERF_KEYS:
-            v = values.get(k)
-            if isinstance(v, list):
-                v = v[0] if v else None
-            if v is not None:
-                self.perf[k] = float(v)   # cumulative per request: the last value wins
-
-
-def _scalar(v: Any) -> Any:
-    return v[0] if isinstance(v, list) and len(v) == 1 else v
-
-
-class TritonHttpClient:
-    """KServe v2 generate extension over geventhttpclient (one connection per simulated user)."""
-
-    def __init__(self, url: str, model: str, timeout: float):
-        from geventhttpclient import HTTPClient
-
-        u = urlsplit(url)
-        self._http = HTTPClient(u.hostname, u.port or (443 if u.scheme == "https" else 80),
-                                ssl=u.scheme == "https", concurrency=1, connection_timeout=10.0,
-                                network_timeout=timeout)
-        self._base = u.path.rstrip("/") + f"/v2/models/{model}"
-        self.overhead = 0.0
-
-    def probe(self) -> float:
-        """Round trip of the zero-work `GET /v2/health/live`, in ms (the transport floor)."""
-        t0 = time.perf_counter()
-        resp = self._http.get("/v2/health/live")
-        resp.read()
-        resp.release()
-        return (time.perf_counter() - t0) * 1000
-
-    def generate(self, payload: dict[str, Any], stream: bool, timer: Timer) -> None:
-        body = json.dumps(payload).encode()
-        path = self._base + ("/generate_stream" if stream else "/generate")
-        resp = self._http.post(path, body=body, headers={"Content-Type": "application/json"})
-        try:
-            if resp.status_code != 200:
-                raise RequestFailed(f"HTTP {resp.status_code}: {resp.read().decode(errors='replace')[:300]}")
-            if not stream:
-                data = json.loads(resp.read())
-                now = time.perf_counter()
-                timer.piece(str(_scalar(data.get("text_output", ""))), now)
-                timer.metrics(data)
-                timer.end = now
-                return
-            while True:
-                line = resp.readline(b"\n")
-                now = time.perf_counter()
-                if not line:
-                    break
-                t = time.perf_counter()
-                if line.startswith(b"data:"):
-                    data = json.loads(line[5:])
-                    if "error" in data:
-                        raise RequestFailed(f"stream error: {data['error']}")
-                    timer.piece(str(_scalar(data.get("text_output", ""))), now)
-                    timer.metrics(data)
-                self.overhead += time.perf_counter() - t
-            timer.end = time.perf_counter()
-        finally:
-            resp.release()
-
-    def close(self) -> None:
-        self._http.close()
-
-
-class TritonGrpcClient:
-    """gRPC streaming through tritonclient; one bidirectional stream per simulated user."""
-
-    def __init__(self, grpc_url: str, model: str, timeout: float, batch_dim: bool = True):
-        import tritonclient.grpc as grpcclient
-
-        self._grpc = grpcclient
-        self._client = grpcclient.InferenceServerClient(grpc_url)
-        self._model = model
-        self._timeout = timeout
-        self._batch_dim = batch_dim
-        self._responses: queue.Queue = queue.Queue()
-        self._client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
-        self._n = 0
-        self.overhead = 0.0
-
-    def probe(self) -> float:
-        t0 = time.perf_counter()
-        self._client.is_server_live()
-        return (time.perf_counter() - t0) * 1000
-
-    def _inputs(self, payload: dict[str, Any]) -> list:
-        import numpy as np
-
-        from specbuild.pipeline.contract import input_spec
-
-        inputs = []
-        for name, value in payload.items():
-            try:
-                dtype = input_spec(name).datatype
-            except KeyError:
-                dtype = "BOOL" if isinstance(value, bool) else "INT32" if isinstance(value, int) else \
-                    "FP32" if isinstance(value, float) else "BYTES"
-            np_dtype = {"BYTES": object, "BOOL": bool, "INT32": np.int32, "FP32": np.float32,
-                        "UINT64": np.uint64}.get(dtype, object)
-            v = value.encode() if isinstance(value, str) else value
-            arr = np.array([[v]] if self._batch_dim else [v], dtype=np_dtype)
-            inp = self._grpc.InferInput(name, list(arr.shape), dtype)
-            inp.set_data_from_numpy(arr)
-            inputs.append(inp)
-        return inputs
-
-    def generate(self, payload: dict[str, Any], stream: bool, timer: Timer) -> None:
-        self._n += 1
-        rid = f"{os.getpid()}-{id(self)}-{self._n}"
-        self._client.async_stream_infer(self._model, self._inputs(payload), request_id=rid,
-                                        enable_empty_final_response=True)
-        while True:
-            try:
-                result, error = self._responses.get(timeout=self._timeout)
-            except queue.Empty:
-                raise RequestFailed(f"no gRPC response within {self._timeout:g} s") from None
-            now = time.perf_counter()
-            if error is not None:
-                raise RequestFailed(f"gRPC error: {error}")
-            t = time.perf_counter()
-            response = result.get_response()
-            if response.id and response.id != rid:
-                continue   # a late response of an earlier, failed request
-            out = result.as_numpy("text_output")
-            if out is not None:
-                timer.piece("".join(x.decode() if isinstance(x, bytes) else str(x) for x in out.flatten()), now)
-            for k in PERF_KEYS:
-                arr = result.as_numpy(k)
-                if arr is not None:
-                    timer.metrics({k: arr.flatten()[0].item()})
-            self.overhead += time.perf_counter() - t
-            final = response.parameters.get("triton_final_response")
-            if final is not None and final.bool_param or not stream:
-                timer.end = now
-                return
-
-    def close(self) -> None:
-        try:
-            self._client.stop_stream()
-        finally:
-            self._client.close()
 
 
 class TritonUser(User):
@@ -248,13 +78,15 @@ class TritonUser(User):
 
     def __init__(self, environment):
         super().__init__(environment)
-        spec = self.spec
         self._own_errors = 0        # this user's consecutive connection errors (its back-off)
+        self.client = self.new_client()
+
+    def new_client(self):
+        spec = self.spec
         if spec.protocol == "grpc":
-            self.client = TritonGrpcClient(spec.grpc_url, spec.model, spec.request_timeout_s,
-                                           spec.grpc_batch_dim)
-        else:
-            self.client = TritonHttpClient(spec.url, spec.model, spec.request_timeout_s)
+            return GrpcClient(spec.grpc_url, spec.model, spec.request_timeout_s, spec.grpc_batch_dim,
+                              spec.datatypes)
+        return HttpClient(spec.url, spec.model, spec.request_timeout_s, api=spec.api)
 
     @classmethod
     def _shared(cls):
@@ -277,14 +109,27 @@ class TritonUser(User):
     def on_stop(self):
         self.client.close()
 
-    def generate(self, prompt: str, input_tokens: int | None = None) -> Sample:
+    def fields(self, output_tokens: int | None) -> dict:
+        """The run's request fields; with a per-prompt output length (from the data), its max_tokens (and
+        min_tokens / min_length when the run fixes the output length)."""
+        payload = self.spec.payload
+        if output_tokens is None:
+            return payload
+        fields = {**payload, "max_tokens": output_tokens}
+        for fixed in ("min_tokens", "min_length"):
+            if fixed in payload:
+                fields[fixed] = output_tokens
+        return fields
+
+    def generate(self, prompt: str, input_tokens: int | None = None, output_tokens: int | None = None,
+                 client=None) -> Sample:
         counter, out = self._shared()
-        payload = {"text_input": prompt, **self.spec.payload}
+        client = client or self.client
         timer = Timer()
         sample = Sample(start=timer.start, input_tokens=input_tokens)
-        self.client.overhead = 0.0
+        client.overhead = 0.0
         try:
-            self.client.generate(payload, self.spec.stream, timer)
+            client.generate(prompt, self.fields(output_tokens), self.spec.stream, timer)
         except Exception as e:  # recorded, not raised: Locust keeps the user running
             sample.ok, sample.error = False, f"{type(e).__name__}: {e}"
             sample.e2e_ms = (time.perf_counter() - timer.t0) * 1000
@@ -301,7 +146,7 @@ class TritonUser(User):
         t_post = time.perf_counter()
         self._finish(sample, timer, counter)
         self._fire(sample)
-        sample.overhead_ms = (self.client.overhead + time.perf_counter() - t_post) * 1000
+        sample.overhead_ms = (client.overhead + time.perf_counter() - t_post) * 1000
         out.write(json.dumps({"kind": "request", **asdict(sample)}) + "\n")
         return sample
 
@@ -334,6 +179,8 @@ class TritonUser(User):
             sample.accepted = int(timer.perf.get("total_accepted_draft_tokens", 0))
         if "acceptance_rate" in timer.perf:
             sample.acceptance_rate = timer.perf["acceptance_rate"]
+        if "completion_tokens" in timer.got.usage:
+            sample.server_tokens = timer.got.usage["completion_tokens"]
 
     def _fire(self, sample: Sample) -> None:
         fire = self.environment.events.request.fire

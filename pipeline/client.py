@@ -8,7 +8,8 @@ Speaks the client contract (`specbuild.pipeline.contract`) over Triton's KServe 
 
 Each returns a `Generation`: the text, the streamed pieces with their arrival times (seconds since
 the request was sent), and the perf metrics when `return_perf_metrics` was asked for. Server-side
-refusals raise `RequestError` carrying Triton's message.
+refusals raise `RequestError` carrying Triton's message. What goes over the wire (bodies, gRPC datatypes,
+SSE events, perf metrics, error messages) is `specbuild.pipeline.wire`'s, shared with every other client.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
-from specbuild.pipeline import contract
+from specbuild.pipeline import contract, wire
 from specbuild.pipeline.errors import ServerError
 
 DEFAULT_HTTP = "http://127.0.0.1:8000"
@@ -124,20 +123,13 @@ class Generation:
     def ttft(self) -> float | None:
         return self.arrivals[0] if self.arrivals else None
 
-    def _absorb(self, out: dict[str, Any], t: float) -> None:
-        piece = out.get("text_output")
-        if isinstance(piece, list):
-            piece = "".join(str(p) for p in piece)
-        if piece:
-            self.chunks.append(piece)
+    def _absorb(self, event: "wire.Event", t: float) -> None:
+        if event.text:
+            self.chunks.append(event.text)
             self.arrivals.append(t)
-            self.text += piece
-        for k in contract.PERF_METRIC_OUTPUTS:
-            v = out.get(k)
-            if isinstance(v, list):
-                v = v[0] if v else None
-            if v is not None:
-                setattr(self, k, float(v) if k == "acceptance_rate" else int(v))
+            self.text += event.text
+        for k, v in event.perf.items():   # cumulative per request: the last value wins
+            setattr(self, k, v if k == "acceptance_rate" else int(v))
 
 
 def request_body(prompt: str, *, max_tokens: int = 64, stream: bool = False, temperature: float | None = None,
@@ -155,16 +147,6 @@ def request_body(prompt: str, *, max_tokens: int = 64, stream: bool = False, tem
             "return_perf_metrics": return_perf_metrics or None,
             "exclude_input_in_output": exclude_input_in_output, "proposer": proposer}
     return {k: v for k, v in body.items() if v is not None}
-
-
-def _error_text(resp) -> str:
-    text = resp.text.strip()
-    if text.startswith("data:"):  # generate_stream refusals arrive as one SSE event
-        text = text[5:].strip()
-    try:
-        return json.loads(text).get("error", text)
-    except (ValueError, AttributeError):
-        return text
 
 
 class Client:
@@ -206,8 +188,11 @@ class Client:
         except httpx.HTTPError as e:
             raise ServerError(f"cannot reach {self.url}: {e}; is the server running (`specbuild status`)?") from e
         if resp.status_code != 200:
-            raise RequestError(f"{self.model}: HTTP {resp.status_code}: {_error_text(resp)}")
-        gen._absorb(resp.json(), time.perf_counter() - gen.sent_at)
+            raise RequestError(f"{self.model}: {wire.http_error(resp.status_code, resp.text)}")
+        event = wire.parse_body(wire.KSERVE, resp.content)
+        if event.error:
+            raise RequestError(f"{self.model}: {event.error}")
+        gen._absorb(event, time.perf_counter() - gen.sent_at)
         gen.seconds = time.perf_counter() - gen.sent_at
         if echoed:
             self._strip_echo(gen, prompt)
@@ -224,13 +209,13 @@ class Client:
             with self._post("generate_stream", body, stream=True) as resp:
                 if resp.status_code != 200:
                     resp.read()
-                    raise RequestError(f"{self.model}: HTTP {resp.status_code}: {_error_text(resp)}")
+                    raise RequestError(f"{self.model}: {wire.http_error(resp.status_code, resp.text)}")
                 for line in resp.iter_lines():
-                    if not line.startswith("data:"):
+                    event = wire.parse_line(wire.KSERVE, line)
+                    if event is None:
                         continue
-                    event = json.loads(line[5:].strip())
-                    if "error" in event:
-                        raise RequestError(f"{self.model}: {event['error']}")
+                    if event.error:
+                        raise RequestError(f"{self.model}: {event.error}")
                     n = len(gen.chunks)
                     gen._absorb(event, time.perf_counter() - gen.sent_at)
                     if on_chunk and len(gen.chunks) > n:
@@ -252,7 +237,8 @@ class Client:
         try:
             client.start_stream(callback=lambda result, error: results.put((result, error)))
             gen.sent_at = time.perf_counter()
-            client.async_stream_infer(self.model, grpc_inputs(body), enable_empty_final_response=True)
+            client.async_stream_infer(self.model, grpc_inputs(body, target=self.target, model=self.model),
+                                      enable_empty_final_response=True)
             deadline = time.monotonic() + self.timeout
             while True:
                 try:
@@ -262,14 +248,8 @@ class Client:
                 if error is not None:
                     raise RequestError(f"{self.model}: {error.message() if hasattr(error, 'message') else error}")
                 t = time.perf_counter() - gen.sent_at
-                out = {}
-                for name in ("text_output", *contract.PERF_METRIC_OUTPUTS):
-                    arr = result.as_numpy(name)
-                    if arr is not None:
-                        flat = arr.reshape(-1)
-                        out[name] = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in flat]
                 n = len(gen.chunks)
-                gen._absorb(out, t)
+                gen._absorb(wire.grpc_event(result), t)
                 if on_chunk and len(gen.chunks) > n:
                     on_chunk(gen.chunks[-1])
                 final = result.get_response().parameters.get("triton_final_response")
@@ -292,26 +272,10 @@ class Client:
         return parse_metrics(httpx.get(metrics_url, timeout=10).text)
 
 
-def grpc_inputs(body: dict[str, Any]) -> list:
-    """tritonclient.grpc InferInputs with the contract's dtypes and a batch dimension of 1."""
-    import tritonclient.grpc as grpcclient
-
-    np_types = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
-    specs = {t.name: t for t in contract.CLIENT_INPUTS}
-    inputs = []
-    aliases = {v: k for k, v in contract.TRTLLM_RENAMES.items()}   # random_seed -> seed: same dtype
-    for name, value in body.items():
-        spec_name = aliases.get(name, name)
-        dtype = specs[spec_name].datatype if spec_name in specs else "BYTES" if isinstance(value, str) else \
-            "BOOL" if isinstance(value, bool) else "INT32" if isinstance(value, int) else "FP32"
-        values = value if isinstance(value, list) else [value]
-        if dtype == "BYTES":
-            values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
-        arr = np.array([values], dtype=np_types[dtype])
-        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    return inputs
+def grpc_inputs(body: dict[str, Any], *, target: str = EMBEDDED, model: str | None = None) -> list:
+    """tritonclient.grpc InferInputs with the datatypes the deployment declares and a batch dimension of 1
+    (`specbuild.pipeline.wire`)."""
+    return wire.grpc_inputs(body, wire.datatypes(body, target=target, model=model))
 
 
 def parse_metrics(text: str) -> dict[str, float]:

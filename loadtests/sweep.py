@@ -1,0 +1,231 @@
+"""Sweeps: every setting at every load point, and where speculation stops paying.
+
+`--sweep users=1,2,4,8` (closed loop: concurrent users) or `--sweep request_rate=0.5,1,2` (open loop:
+Poisson arrivals per second), for every profile, or `--sweep batch:users=8,16,32` for one profile.
+Each point is a profile with that load (`Profile.with_overrides`), and every setting is measured at every
+point by the ordinary run path (`pipeline.loadtest.run_setting`), so each point obeys the per-run rules
+(duration and min_requests, the ceiling, "too slow to measure here", server gone, Ctrl-C).
+
+From the measured cells (`curves`):
+
+- the **gain** of each setting over the baseline at each point, on the profile's objective (the same rule
+  as `tune`: chat and other streaming profiles -> latency, the e2e median ratio off / on; batch and other
+  non-streaming profiles -> throughput, tok/s on / off; an open-loop sweep -> latency, since the arrival
+  rate fixes the throughput), with TTFT / TPOT / e2e / tok/s ratios beside it;
+- its **confidence**: a bootstrap over the requests of both runs (B = 1000, seeded), the probability that
+  the gain is > 1 and its 90 % interval. For throughput the resampled statistic is sum(tokens) /
+  sum(e2e) per run (proportional to a closed loop's tok/s at fixed concurrency);
+- the **crossover**: the highest load point where the setting still beats the baseline (point gain > 1),
+  with the confidence there, and whether it beats it at every point below as well.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specbuild.pipeline.errors import UsageError
+
+SWEEP_PARAMS = ("users", "request_rate")
+ENDPOINT_FIELDS = ("url", "grpc_url", "metrics_url")   # in a --setting: where that setting's runs go
+BOOTSTRAP = 1000
+
+
+@dataclass(frozen=True)
+class Sweep:
+    param: str                  # "users" | "request_rate"
+    values: tuple[float, ...]   # ascending
+    profile: str | None = None  # None: every profile
+
+    def label(self, value: float) -> str:
+        """The point's directory / display name: `users-4`, `request_rate-0.5`."""
+        return f"{self.param}-{value:g}"
+
+
+def parse_sweeps(items: tuple[str, ...] | list[str], profiles: list[str]) -> dict[str, Sweep]:
+    """`["users=1,2,4"]` or `["chat:users=1,2", "batch:users=8,16"]` -> profile name -> Sweep."""
+    out: dict[str, Sweep] = {}
+    for item in items:
+        m = re.fullmatch(r"\s*(?:([A-Za-z0-9_.-]+)\s*:)?\s*([a-z_]+)\s*=\s*(.+)", item)
+        if not m:
+            raise UsageError(f"--sweep {item!r} must look like [PROFILE:]users=1,2,4,8 or request_rate=0.5,1,2.")
+        scope, param, raw = m.groups()
+        if param not in SWEEP_PARAMS:
+            raise UsageError(f"--sweep {item!r}: {param!r} cannot be swept; choose one of {SWEEP_PARAMS}.")
+        values: list[float] = []
+        for v in raw.split(","):
+            try:
+                x = float(v) if param == "request_rate" else int(v)
+            except ValueError:
+                kind = "a number of requests per second" if param == "request_rate" else "an integer"
+                raise UsageError(f"--sweep {item!r}: {v.strip()!r} is not {kind}.") from None
+            if x <= 0:
+                raise UsageError(f"--sweep {item!r}: every {param} must be > 0, got {v.strip()}.")
+            values.append(x)
+        if len(set(values)) != len(values):
+            raise UsageError(f"--sweep {item!r} repeats a value.")
+        if scope is not None and scope not in profiles:
+            raise UsageError(f"--sweep {item!r} names profile {scope!r}, which is not run (--profile: {profiles}).")
+        for name in ([scope] if scope else profiles):
+            if name in out and (scope is None) == (out[name].profile is None):
+                raise UsageError(f"--sweep: two sweeps for profile {name!r}; give one per profile.")
+            if name not in out or scope is not None:   # a profile's own sweep wins over the shared one
+                out[name] = Sweep(param, tuple(sorted(values)), scope)
+    return out
+
+
+@dataclass(frozen=True)
+class Run:
+    """One planned run: a profile (at its sweep point), a setting, its request fields and its endpoint."""
+
+    profile: Any
+    setting: str
+    fields: dict[str, Any]
+    endpoint: tuple[str | None, str | None, str | None]   # the setting's (url, grpc_url, metrics_url), or Nones
+    point: tuple[str, float] | None = None                 # (sweep param, value)
+
+    @property
+    def key(self) -> str:
+        return f"{self.profile.name}/" + (f"{self.point[0]}={self.point[1]:g}/" if self.point else "") + self.setting
+
+    def run_dir(self, root: Path) -> Path:
+        base = root / "runs" / self.profile.name
+        if self.point:
+            base = base / f"{self.point[0]}-{self.point[1]:g}"
+        return base / self.setting.replace("=", "-")
+
+
+def plan(profiles: list, named: list[tuple[str, dict[str, Any]]], sweep_items: tuple[str, ...] = (),
+         extra: dict[str, Any] | None = None) -> list[Run]:
+    """Every profile x sweep point x setting (settings innermost: the settings of one point run back to back,
+    so they see the same machine). A setting's `url` / `grpc_url` / `metrics_url` are its endpoint, the rest
+    (after `extra`, the fields sent with every request) its request fields."""
+    sweeps = parse_sweeps(sweep_items, [p.name for p in profiles])
+    runs = []
+    for profile in profiles:
+        sweep = sweeps.get(profile.name)
+        points = [None] if sweep is None else [(sweep.param, v) for v in sweep.values]
+        for point in points:
+            p = profile if point is None else profile.with_overrides(**{point[0]: point[1]})
+            for name, fields in named:
+                endpoint = tuple(fields.get(k) for k in ENDPOINT_FIELDS)
+                request = {k: v for k, v in {**(extra or {}), **fields}.items() if k not in ENDPOINT_FIELDS}
+                runs.append(Run(p, name, request, endpoint, point))
+    return runs
+
+
+def sweep_summary(runs: list[Run]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in runs:
+        if r.point:
+            entry = out.setdefault(r.profile.name, {"param": r.point[0], "values": []})
+            if r.point[1] not in entry["values"]:
+                entry["values"].append(r.point[1])
+    return out
+
+
+def first_at(runs: list[Run], run: Run) -> Run:
+    """The first run of the same profile and setting (a sweep smoke-tests each setting once per profile)."""
+    return next(r for r in runs if r.profile.name == run.profile.name and r.setting == run.setting)
+
+
+def point_of(cell: dict[str, Any]) -> float | None:
+    return (cell.get("sweep") or {}).get("value")
+
+
+def objective(cell: dict[str, Any]) -> str:
+    """latency | throughput, as `tune` scores a profile (an open loop is scored on latency)."""
+    if (cell.get("sweep") or {}).get("param") == "request_rate" or cell.get("request_rate"):
+        return "latency"
+    if cell["profile"] in ("chat", "batch"):
+        return "latency" if cell["profile"] == "chat" else "throughput"
+    return "latency" if cell.get("stream") else "throughput"
+
+
+def _p50(d: dict | None) -> float | None:
+    return d.get("p50") if d else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def bootstrap(off: dict[str, Any], on: dict[str, Any], kind: str, *, n: int = BOOTSTRAP,
+              seed: int = 0) -> dict[str, Any] | None:
+    """P(gain > 1) and the 90 % interval of the gain, resampling each run's requests with replacement."""
+    import numpy as np
+
+    a, b = off.get("_raw") or {}, on.get("_raw") or {}
+    rng = np.random.default_rng(seed)
+    if kind == "latency":
+        x, y = np.asarray(a.get("e2e_ms") or []), np.asarray(b.get("e2e_ms") or [])
+        if len(x) < 2 or len(y) < 2:
+            return None
+        gx = np.median(x[rng.integers(0, len(x), (n, len(x)))], axis=1)
+        gy = np.median(y[rng.integers(0, len(y), (n, len(y)))], axis=1)
+        gains = gx / gy                                   # off / on: > 1 = faster with the setting
+    else:
+        tx, ex = np.asarray(a.get("tokens") or []), np.asarray(a.get("e2e_ms") or [])
+        ty, ey = np.asarray(b.get("tokens") or []), np.asarray(b.get("e2e_ms") or [])
+        if len(tx) < 2 or len(ty) < 2 or len(tx) != len(ex) or len(ty) != len(ey):
+            return None
+        ix, iy = rng.integers(0, len(tx), (n, len(tx))), rng.integers(0, len(ty), (n, len(ty)))
+        rx = tx[ix].sum(axis=1) / ex[ix].sum(axis=1)
+        ry = ty[iy].sum(axis=1) / ey[iy].sum(axis=1)
+        gains = ry / rx                                   # on / off: > 1 = more tokens per second
+    lo, hi = np.percentile(gains, [5, 95])
+    return {"p_gain_gt_1": float((gains > 1).mean()), "ci90": [float(lo), float(hi)], "resamples": n}
+
+
+def point_gain(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    kind = objective(on)
+    row = {
+        "ttft_speedup": _ratio(_p50(off.get("ttft_ms")), _p50(on.get("ttft_ms"))),
+        "tpot_speedup": _ratio(_p50(off.get("tpot_ms")), _p50(on.get("tpot_ms"))),
+        "e2e_speedup": _ratio(_p50(off.get("e2e_ms")), _p50(on.get("e2e_ms"))),
+        "throughput_gain": _ratio(on.get("tokens_per_s"), off.get("tokens_per_s")),
+        "objective": kind, "requests": [off.get("requests"), on.get("requests")],
+    }
+    row["gain"] = row["e2e_speedup"] if kind == "latency" else row["throughput_gain"]
+    row["confidence"] = bootstrap(off, on, kind)
+    return row
+
+
+def curves(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
+    """Per profile and non-baseline setting: its gain at each swept point, and the crossover."""
+    if baseline is None:
+        return []
+    swept = [c for c in cells if c.get("sweep") and c.get("status") == "ok"]
+    out = []
+    for profile in dict.fromkeys(c["profile"] for c in swept):
+        mine = [c for c in swept if c["profile"] == profile]
+        param = mine[0]["sweep"]["param"]
+        offs = {point_of(c): c for c in mine if c["setting"] == baseline}
+        for setting in dict.fromkeys(c["setting"] for c in mine if c["setting"] != baseline):
+            points = []
+            for on in sorted((c for c in mine if c["setting"] == setting), key=point_of):
+                off = offs.get(point_of(on))
+                if off is not None:
+                    points.append({"value": point_of(on), **point_gain(off, on)})
+            out.append({"profile": profile, "setting": setting, "baseline": baseline, "param": param,
+                        "points": points, "crossover": crossover(points)})
+    return out
+
+
+def crossover(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The highest point where the gain is > 1, its confidence, and whether every point below it beats too."""
+    beats = [p for p in points if p["gain"] is not None and p["gain"] > 1]
+    if not points:
+        return {"value": None, "note": "no point measured with the baseline"}
+    if not beats:
+        return {"value": None, "note": f"never beats the baseline (up to {points[-1]['value']:g})"}
+    top = beats[-1]
+    below = [p for p in points if p["value"] <= top["value"]]
+    conf = top.get("confidence") or {}
+    return {"value": top["value"], "gain": top["gain"], "p_gain_gt_1": conf.get("p_gain_gt_1"),
+            "ci90": conf.get("ci90"), "beats_at_every_point_below": all(p in beats for p in below),
+            "beyond_sweep": top is points[-1],
+            "note": (f"still beats the baseline at the highest point swept ({top['value']:g}); the crossover "
+                     "is beyond the sweep") if top is points[-1] else ""}

@@ -1,0 +1,155 @@
+"""Sweeps, users' own prompt files, the standard speculation counters and the AIPerf export: the parts that
+need no server (the served sweep is in test_loadtest_sweep_served.py)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+
+import pytest
+
+from specbuild.loadtests import export, sweep
+from specbuild.loadtests.datasets import load_prompt_file
+from specbuild.loadtests.target import metric_deltas, spec_summary
+from specbuild.pipeline.errors import UsageError
+from specbuild.pipeline.metrics import parse_prometheus
+
+
+def test_parse_sweeps_shared_per_profile_and_refusals():
+    s = sweep.parse_sweeps(["users=4,1,2"], ["chat", "batch"])
+    assert s["chat"] == s["batch"] and s["chat"].values == (1, 2, 4) and s["chat"].param == "users"
+    s = sweep.parse_sweeps(["batch:users=8,16", "users=1,2"], ["chat", "batch"])
+    assert s["chat"].values == (1, 2) and s["batch"].values == (8, 16)   # a profile's own sweep wins
+    assert sweep.parse_sweeps(["request_rate=0.5,2"], ["chat"])["chat"].values == (0.5, 2.0)
+    for bad, msg in ((["users"], "must look like"), (["k=1,2"], "cannot be swept"), (["users=1,x"], "not an integer"),
+                     (["users=0,1"], "must be > 0"), (["users=1,1"], "repeats"), (["nope:users=1"], "not run"),
+                     (["users=1", "users=2"], "two sweeps")):
+        with pytest.raises(UsageError, match=msg):
+            sweep.parse_sweeps(bad, ["chat"])
+
+
+def _cell(profile, setting, value, e2e, tokens=64, stream=True, n=40, seed=0):
+    rng = random.Random(f"{setting}-{value}-{seed}")
+    e2es = [e2e * rng.uniform(0.9, 1.1) for _ in range(n)]
+    return {"profile": profile, "setting": setting, "status": "ok", "stream": stream, "users": value,
+            "sweep": {"param": "users", "value": value}, "requests": n,
+            "e2e_ms": {"p50": sorted(e2es)[n // 2]}, "ttft_ms": {"p50": 10.0} if stream else None,
+            "tpot_ms": {"p50": e2e / tokens}, "tokens_per_s": value * tokens / (e2e / 1000),
+            "_raw": {"e2e_ms": e2es, "tokens": [tokens] * n, "tpot_ms": [x / tokens for x in e2es]}}
+
+
+def test_gain_curve_crossover_and_confidence():
+    # speculation 1.5x faster at 1 user, 1.2x at 2, 1.02x at 4 (within noise), 0.7x at 8: crossover 4, low confidence
+    cells = []
+    for value, speedup in ((1, 1.5), (2, 1.2), (4, 1.02), (8, 0.7)):
+        cells += [_cell("chat", "off", value, 1000.0), _cell("chat", "draft", value, 1000.0 / speedup)]
+    [curve] = sweep.curves(cells, "off")
+    assert curve["param"] == "users" and [p["value"] for p in curve["points"]] == [1, 2, 4, 8]
+    gains = [p["gain"] for p in curve["points"]]
+    assert gains[0] > gains[1] > 1 > gains[3] and all(p["objective"] == "latency" for p in curve["points"])
+    conf = [p["confidence"]["p_gain_gt_1"] for p in curve["points"]]
+    assert conf[0] == 1.0 and conf[3] == 0.0 and all(0 <= c <= 1 for c in conf)
+    lo, hi = curve["points"][0]["confidence"]["ci90"]
+    assert lo <= gains[0] <= hi
+    x = curve["crossover"]
+    if gains[2] > 1:   # the 1.02x point: noise can put its median either side of 1
+        assert x["value"] == 4 and x["p_gain_gt_1"] < 0.99 and x["beats_at_every_point_below"]
+    else:
+        assert x["value"] == 2
+    assert not x["beyond_sweep"]
+    # batch is scored on throughput (tok/s on / off); beating at every point: the crossover is beyond the sweep
+    cells = [c for v in (1, 4) for c in (_cell("batch", "off", v, 900.0, stream=False),
+                                         _cell("batch", "k4", v, 600.0, stream=False))]
+    [curve] = sweep.curves(cells, "off")
+    assert all(p["objective"] == "throughput" and p["gain"] == pytest.approx(1.5) for p in curve["points"])
+    assert curve["crossover"]["value"] == 4 and curve["crossover"]["beyond_sweep"]
+    never = sweep.crossover([{"value": 1, "gain": 0.9, "confidence": None}])
+    assert never["value"] is None and "never beats" in never["note"]
+
+
+def test_prompt_files_jsonl_and_sharegpt(tmp_path, tiny_tokenizer):
+    from specbuild.loadtests.tokens import TokenCounter
+
+    counter = TokenCounter(tiny_tokenizer)
+    jsonl = tmp_path / "inputs.jsonl"
+    jsonl.write_text('{"text": "What is the capital of France?", "output_length": 12}\n\n'
+                     '{"texts": ["Summarize:", "the fox"]}\n{"text_input": "legacy name"}\n')
+    recs = load_prompt_file(jsonl)
+    assert [(r.text, r.output_tokens) for r in recs] == [("What is the capital of France?", 12),
+                                                         ("Summarize:\nthe fox", None), ("legacy name", None)]
+    share = tmp_path / "sharegpt.json"
+    reply = "The capital of France is Paris, a city on the Seine."
+    share.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "Capital of France?"},
+                                      {"from": "gpt", "value": reply}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "only one turn"}]},     # skipped
+        {"id": "c", "conversations": [{"from": "system", "value": "be brief"}, {"from": "user", "value": "Hi"},
+                                      {"from": "assistant", "value": "Hello!"}]}]))
+    recs = load_prompt_file(share, counter=counter)
+    assert [r.text for r in recs] == ["Capital of France?", "Hi"]
+    assert recs[0].output_tokens == counter.count(reply) and recs[1].output_tokens == counter.count("Hello!")
+    for content, msg in (('{"text": ""}\n', "no prompt text"), ('{"text": "x", "output_length": 0}\n', ">= 1"),
+                         ("not json\n", "is not a JSON object"), ("[{]", "not valid JSON")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(content)
+        with pytest.raises(UsageError, match=msg):
+            load_prompt_file(bad)
+    with pytest.raises(UsageError, match="no usable record"):
+        (tmp_path / "one.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "x"}]}]))
+        load_prompt_file(tmp_path / "one.json", "sharegpt")
+
+
+VLLM_TEXT = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} %d
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} %d
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} %d
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} %d
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} %d
+specbuild_draft_tokens_total %d
+"""
+
+
+def test_vllm_schema_counters_are_read_first_with_per_position_acceptance():
+    before = parse_prometheus(VLLM_TEXT % (10, 20, 12, 8, 4, 20))
+    after = parse_prometheus(VLLM_TEXT % (30, 60, 36, 24, 12, 60))
+    s = spec_summary(metric_deltas(before, after))
+    assert s["schema"] == "vllm" and (s["drafts"], s["drafted"], s["accepted"]) == (20, 40, 24)
+    assert s["acceptance_rate"] == pytest.approx(0.6) and s["mean_accepted_length"] == pytest.approx(2.2)
+    assert s["per_position"] == pytest.approx([0.8, 0.4])
+    assert "specbuild_draft_tokens_total" in s["counters"]   # both exported: the vLLM names are read, not summed
+    # without vLLM names: matched by name, no per-position figures
+    loose = spec_summary({"specbuild_accepted_tokens_total": 6.0, "specbuild_draft_tokens_total": 8.0,
+                          "specbuild_drafts_total": 2.0})
+    assert loose["schema"] == "matched by name" and loose["acceptance_rate"] == 0.75 and loose["per_position"] is None
+
+
+def _samples(n=5, stream=True):
+    return [{"ok": True, "start": 100.0 + i, "e2e_ms": 200.0 + i, "ttft_ms": 20.0 + i if stream else None,
+             "itl_ms": [10.0, 12.0] if stream else [], "tpot_ms": 4.0 + i / 10, "tokens": 40 + i, "input_tokens": 9}
+            for i in range(n)] + [{"ok": False, "start": 99.0, "e2e_ms": 5.0, "tokens": 0}]
+
+
+def test_aiperf_export_names_statistics_and_csv_layout():
+    out = export.aiperf_export(_samples(), stream=True, window_s=10.0, input_config={"profile": "chat"})
+    for tag in ("time_to_first_token", "time_to_second_token", "request_latency", "inter_token_latency",
+                "inter_chunk_latency", "output_token_throughput_per_user", "output_sequence_length",
+                "input_sequence_length"):
+        assert tuple(out[tag]) == ("unit", *export.AIPERF_STATS, "count"), tag
+    assert out["request_latency"]["unit"] == "ms" and out["request_latency"]["count"] == 5
+    assert out["request_latency"]["p50"] == 202.0 and out["request_latency"]["sum"] == 1010.0
+    assert out["time_to_second_token"]["min"] == 30.0                      # TTFT + the first gap
+    assert out["inter_chunk_latency"]["count"] == 10                       # every gap (our ITL)
+    assert out["output_token_throughput_per_user"]["max"] == pytest.approx(250.0)   # 1 / TPOT of 4 ms
+    assert out["output_token_throughput"] == {"unit": "tokens/sec", "avg": 21.0}
+    assert out["request_count"]["avg"] == 5 and out["error_request_count"]["avg"] == 1
+    assert out["benchmark_duration"] == {"unit": "sec", "avg": 10.0}
+    batch = export.aiperf_export(_samples(stream=False), stream=False, window_s=10.0, input_config={})
+    assert "time_to_first_token" not in batch and "inter_token_latency" not in batch
+    rows = list(csv.reader(io.StringIO(export.aiperf_csv(out))))
+    assert rows[0] == ["Metric", *export.AIPERF_STATS]
+    names = [r[0] for r in rows if r]
+    assert "Request Latency (ms)" in names and "Output Token Throughput (tokens/sec)" in names
+    assert "Request Count" in names and ["Metric", "Value"] in rows and [] in rows   # two sections
