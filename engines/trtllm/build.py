@@ -152,7 +152,9 @@ def _rehearse(ctx: StageContext, s: Settings, options: dict[str, Any], notes: li
         (out / OPTIONS_YAML).write_text(to_yaml(llm_api_options(s, source_dir(options, "draft"))))
         outputs["llm_api_options"] = OPTIONS_YAML
     ctx.progress(f"rehearsal: recorded {sum(st.kind == 'run' for st in steps)} trtllm-build commands in "
-                 f"engines/{rehearsal.PLAN_FILE} (not run: no TensorRT-LLM)")
+                 f"engines/{rehearsal.PLAN_FILE} (not run: no TensorRT-LLM)" if s.recipe.generation == ENGINE else
+                 f"rehearsal: wrote engines/{OPTIONS_YAML} (the LLM-API path builds no engine); plan in "
+                 f"engines/{rehearsal.PLAN_FILE}")
     effective = {**options, **{k: getattr(s, k) for k in BUILD_KEYS if hasattr(s, k)}}
     effective.update(trtllm_version=s.recipe.trtllm_version, trtllm_generation=s.recipe.generation,
                      container_tag=s.recipe.container)
