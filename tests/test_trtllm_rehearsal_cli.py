@@ -32,6 +32,11 @@ def _cli(*args):
 def served(request, tmp_path, tiny_llama, tiny_llama_draft):
     version, generation = request.param
     tree, family = upstream_llmapi_tree() if generation == "llmapi" else upstream_tree()
+    if generation == "llmapi":
+        import importlib.util
+        missing = [m for m in ("mpi4py", "yaml") if importlib.util.find_spec(m) is None]
+        if missing:
+            pytest.skip(f"upstream's llmapi model.py imports {missing}: pip install mpi4py mpich pyyaml")
     w = str(tmp_path / "w")
     common = ["--backend", "trtllm", "--workdir", w, "--rehearse", "--trtllm-version", version,
               "--trtllm-generation", generation]
