@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from specbuild.engines.embedded import Engine, SamplingParams
-from specbuild.engines.embedded.adaptive import ADAPTIVE_K, cost_models
+from specbuild.engines.embedded import Engine, EngineConfig, Policy, SamplingParams
+from specbuild.engines.embedded.adaptive import cost_models
+from specbuild.engines.embedded.config import ADAPTIVE, ADAPTIVE_K
 from specbuild.engines.embedded.calibrate import forward_probe, time_interleaved
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
 from specbuild.pipeline.sources import cache_dir
@@ -126,9 +127,11 @@ def main(argv=None) -> int:
     log("the demo engine (bench_engine's recipe: build --draft-quantize int8; a no-op when up to date)")
     edir = engine_dir(Path(args.workdir) if args.workdir else cache_dir() / "bench-work")
     # Fixed K and adaptive K are measured without the cut-off; the policy cell sets the build's one.
-    engine = Engine.from_build_dir(edir, adaptive_k=False, spec_max_concurrency=None)
-    policy_cutoff = json.loads((edir / "engine_config.json").read_text()).get("spec_max_concurrency")
-    log(f"build's spec_max_concurrency: {policy_cutoff}")
+    built = EngineConfig.load(edir).policy
+    policy_cutoff = built.max_concurrency
+    no_cutoff = Policy(k=ADAPTIVE, proposer=built.proposer, source="bench: no cut-off")
+    engine = Engine.from_build_dir(edir, policy=no_cutoff)
+    log(f"build's policy: {built.describe()}")
     prompts = mixed_prompts(engine.tokenizer, args.prompt_tokens)
     run_mix(engine, prompts[:1], batch=1, k=2, proposer="draft", tokens=4)            # warm-up
     cells = {(f"batch{b}", name): (b, k, prop) for b in (1, 4) for name, k, prop in settings()}
@@ -143,9 +146,9 @@ def main(argv=None) -> int:
             f"c = {calibration['cost_ratio']:.2f}, v(4) = {v4:.2f}")
         for (group, name), (b, k, prop) in cells.items():
             ps = prompts if group.startswith("batch") else [prompts[i % len(prompts)] for i in range(b)]
-            engine.scheduler.spec_max_concurrency = policy_cutoff if name == POLICY else None
+            engine.set_policy(built if name == POLICY else no_cutoff)
             res = run_mix(engine, ps, batch=b, k=k, proposer=prop, tokens=args.tokens)
-            engine.scheduler.spec_max_concurrency = None
+            engine.set_policy(no_cutoff)
             raw.setdefault(group, {}).setdefault(name, []).append(res)
             log(f"run {r + 1}/{args.runs} {group:11s} {name:15s} {res['tok_s']:6.2f} tok/s "
                 f"k_counts={res['k_counts']}")

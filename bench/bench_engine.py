@@ -27,7 +27,7 @@ import torch
 
 from specbuild.pipeline.build import build
 from specbuild.pipeline.convert import convert
-from specbuild.engines.embedded import Engine, SamplingParams
+from specbuild.engines.embedded import Engine, EngineConfig, SamplingParams
 from specbuild.engines.embedded.calibrate import (estimate_alpha, forward_probe, predicted_speedup,
                                                   time_interleaved)
 from specbuild.engines.embedded.kernels import onednn_available
@@ -80,7 +80,7 @@ def engine_dir(workdir: Path) -> Path:
     if cfg_path.is_file():
         cfg = json.loads(cfg_path.read_text())
         cal = cfg.get("calibration") or {}
-        stale = ("draft_kv" not in cfg
+        stale = (cfg.get("schema", 1) < 2
                  or cal.get("linear_kernel", "aten") != ("onednn" if onednn_available() else "aten"))
     result = build(workdir=workdir, draft_quantize="int8", max_batch_size=8, max_seq_len=1024, progress=log,
                    force=stale)
@@ -227,11 +227,9 @@ def main(argv=None) -> int:
     t_start = time.time()
     log("building the engine (no-op when up to date)")
     edir = engine_dir(Path(args.workdir) if args.workdir else cache_dir() / "bench-work")
-    cfg = json.loads((edir / "engine_config.json").read_text())
-    cal = cfg.get("calibration") or {}
-    k = cfg["default_num_draft_tokens"] or 4
-    engine = Engine.from_build_dir(edir, threads=args.threads)
-    engine.scheduler.spec_max_concurrency = None          # this bench forces K at every concurrency
+    cal = EngineConfig.load(edir).calibration or {}
+    k = cal.get("recommended_k") or 4
+    engine = Engine.from_build_dir(edir, threads=args.threads)   # every request below sends its K (forced)
     ids = prompts(engine.tokenizer)
     log("memory bandwidth")
     bw = bandwidth_gbs(runs)

@@ -134,12 +134,11 @@ def main(argv=None) -> int:
     t_start = time.time()
     load_before = os.getloadavg()
     edir = engine_dir(Path(args.workdir) if args.workdir else cache_dir() / "bench-work")
-    cfg = json.loads((edir / "engine_config.json").read_text())
-    forced_k = cfg["default_num_draft_tokens"] or 4
     engine = Engine.from_build_dir(edir, threads=args.threads)
-    policy = {"adaptive_k": engine.config.adaptive_k, "spec_max_concurrency": engine.config.spec_max_concurrency,
-              "default_num_draft_tokens": engine.config.default_num_draft_tokens, "forced_k": forced_k,
-              "crossover": (cfg.get("calibration") or {}).get("crossover")}
+    cal = engine.config.calibration or {}
+    forced_k = cal.get("recommended_k") or 4
+    policy = {**engine.config.policy.to_dict(), "described": engine.config.policy.describe(), "forced_k": forced_k,
+              "crossover": cal.get("crossover")}
     log(f"policy: {policy}")
     prompts = chat_ids(engine.tokenizer)
     engine.start()
@@ -206,7 +205,7 @@ def summarize(raw: dict, runs: int) -> dict:
 
 def print_table(r: dict) -> None:
     p = r["policy"]
-    print(f"served policy: adaptive_k={p['adaptive_k']} spec_max_concurrency={p['spec_max_concurrency']} "
+    print(f"served policy: {p['described']} "
           f"(forced K={p['forced_k']}); medians of {r['runs']} runs, chat {r['chat_tokens']} tokens, "
           f"batch {r['batch_users']} x {r['batch_tokens']} tokens into {r['max_batch_size']} slots; "
           f"load {r['load_avg_before'][0]:.1f} -> {r['load_avg_after'][0]:.1f}")

@@ -115,7 +115,5 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
         for note in cal.get("notes", []):
             _stderr(f"note: {note}")
     eng = result.manifest.get("outputs", {}).get("engine") or {}
-    if "adaptive_k" in eng:
-        smc = eng.get("spec_max_concurrency")
-        click.echo(f"  default policy: {'adaptive K' if eng['adaptive_k'] else 'K=' + str(eng['default_num_draft_tokens'])}"
-                   f", spec_max_concurrency={'none (always draft)' if smc is None else smc}")
+    if "policy_described" in eng:
+        click.echo(f"  default policy: {eng['policy_described']} ({eng['policy']['source']})")

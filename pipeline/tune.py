@@ -15,8 +15,14 @@ input; otherwise K alone is swept (the deployment's default proposer) and tune.j
 Everything that can be refused is refused before any load: unknown profile, bad K list, K above the
 engine's max_draft_len, unknown proposer, server down, model missing, --apply without an embedded
 repository. Output: `<out>/tune.json`, `<out>/tune.md`, `<out>/runs/<profile>/<setting>/` (each run's
-Locust CSVs, samples and summary.json), written atomically. With `apply`, the chosen default goes into
-the engine model's config.pbtxt (`apply_tuned_defaults`); the server must be restarted to pick it up.
+Locust CSVs, samples and summary.json), written atomically.
+
+With `apply`, the chosen setting becomes the deployment's speculation `Policy` (engines/embedded/config.py),
+written as the engine model's `policy` parameter in config.pbtxt (`apply_policy`); the server must be
+restarted to pick it up. Every candidate was measured with its K sent by the request (forced: drafted at every
+concurrency), so the applied policy is that fixed K and proposer with no concurrency cut-off: exactly what was
+measured. Requests that send no K then get it (a default-built deployment's adaptive K and measured cut-off
+are replaced); K = 0 switches speculation off by default.
 """
 
 from __future__ import annotations
@@ -31,16 +37,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specbuild import __version__
+from specbuild.engines.embedded.config import ConfigError, EngineConfig, Policy
+from specbuild.pipeline.constants import PROPOSERS
 from specbuild.pipeline.contract import SPECULATIVE_MODEL
 from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
 from specbuild.pipeline.manifest import MANIFEST, Manifest, atomic_write_text, stage_output, write_manifest
 from specbuild.pipeline.tune_score import (TIE_TOLERANCE, Setting, choose_default, choose_winner, cell_row, gain_vs_baseline,
                                   objective_for, per_profile_winners, render_markdown)
 
-PROPOSERS = ("draft", "ngram")          # = specbuild.engines.embedded.engine.PROPOSERS (no torch import here)
 DEFAULT_KS = (0, 1, 2, 4, 6)
 ENGINE_MODEL = "tensorrt_llm"           # the embedded deployment's engine model (holds the engine's params)
-PARAM_K, PARAM_PROPOSER, PARAM_PROFILES = "default_num_draft_tokens", "default_proposer", "tuned_profiles"
+PARAM_POLICY, PARAM_PROFILES = "policy", "tuned_profiles"
 
 
 class TuneFailed(SpecbuildError):
@@ -100,18 +107,16 @@ class TuneConfig:
 
 
 def engine_facts(workdir: Path) -> dict[str, Any]:
-    """max_draft_len, default K / proposer and whether a draft exists, from `<workdir>/engines/` if built."""
-    for name in ("engine_config.json", "engine.json"):
-        path = Path(workdir) / "engines" / name
-        if path.is_file():
-            try:
-                cfg = json.loads(path.read_text())
-            except ValueError as e:
-                raise ManifestError(f"{path} is not valid JSON ({e}); rebuild with `specbuild build --force`.") from e
-            return {"source": str(path), "max_draft_len": cfg.get("max_draft_len"),
-                    "default_num_draft_tokens": cfg.get("default_num_draft_tokens"),
-                    "default_proposer": cfg.get("default_proposer"), "has_draft": bool(cfg.get("draft", True))}
-    return {"source": None, "max_draft_len": None}
+    """max_draft_len, the policy and whether a draft exists, from `<workdir>/engines/` if built."""
+    path = Path(workdir) / "engines" / "engine_config.json"
+    if not path.is_file():
+        return {"source": None, "max_draft_len": None}
+    try:
+        cfg = EngineConfig.load(path.parent)
+    except ConfigError as e:
+        raise ManifestError(str(e)) from None
+    return {"source": str(path), "max_draft_len": cfg.max_draft_len, "policy": cfg.policy.to_dict(),
+            "default_proposer": cfg.policy.proposer, "has_draft": cfg.has_draft}
 
 
 def sweep_ks(cfg_ks: tuple[int, ...] | None, max_draft_len: int | None) -> tuple[int, ...]:
@@ -237,7 +242,7 @@ def tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None, show_ba
         if cfg.apply and result["default"]:
             d = result["default"]
             try:
-                result["applied"] = apply_tuned_defaults(repo_dir, d["k"], d["proposer"], per_profile_winners(result))
+                result["applied"] = apply_policy(repo_dir, tuned_policy(d, engine), per_profile_winners(result))
             except SpecbuildError as e:
                 apply_error = e
         result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -289,35 +294,33 @@ def read_engine_model_config(repo_dir: Path):
     return cfg
 
 
-def apply_tuned_defaults(repo_dir: str | Path, k: int, proposer: str | None,
-                         per_profile: dict[str, Any]) -> dict[str, Any]:
-    """Set `default_num_draft_tokens`, `default_proposer` (if given) and `tuned_profiles` (JSON) in the
-    engine model's config.pbtxt: parsed with Triton's ModelConfig protobuf, edited, printed back and
-    re-parsed before an atomic write; recorded in the deploy manifest's `extra.tuned`. Returns what it did."""
+def apply_policy(repo_dir: str | Path, policy: Policy, per_profile: dict[str, Any]) -> dict[str, Any]:
+    """Write `policy` (and `tuned_profiles`, JSON) as parameters of the engine model's config.pbtxt: parsed with
+    Triton's ModelConfig protobuf, edited, printed back and re-parsed before an atomic write; recorded in the
+    deploy manifest's `extra.tuned`. The server reads the `policy` parameter at load (`Engine.set_policy`).
+    Returns what it did."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
     repo_dir = Path(repo_dir)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise UsageError(f"default K must be an integer >= 0, got {k!r}.")
-    if proposer is not None and proposer not in PROPOSERS:
-        raise UsageError(f"proposer {proposer!r} is unknown; use one of {PROPOSERS}.")
-    max_len = engine_facts(repo_dir.parent)["max_draft_len"]
-    if max_len is not None and k > max_len:
-        raise UsageError(f"default K={k} is above the engine's max_draft_len {max_len}; pick K <= {max_len}.")
+    facts = engine_facts(repo_dir.parent)
+    if facts["max_draft_len"] is not None:
+        try:
+            policy.check(max_draft_len=facts["max_draft_len"], has_draft=facts["has_draft"])
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     cfg = read_engine_model_config(repo_dir)
     path = repo_dir / ENGINE_MODEL / "config.pbtxt"
     old_text = path.read_text()
-    cfg.parameters[PARAM_K].string_value = str(k)
-    if proposer is not None:
-        cfg.parameters[PARAM_PROPOSER].string_value = proposer
-    elif PARAM_PROPOSER in cfg.parameters:
-        del cfg.parameters[PARAM_PROPOSER]
+    for stale in ("default_num_draft_tokens", "default_proposer"):     # written by specbuild < 0.2
+        if stale in cfg.parameters:
+            del cfg.parameters[stale]
+    cfg.parameters[PARAM_POLICY].string_value = json.dumps(policy.to_dict(), sort_keys=True)
     cfg.parameters[PARAM_PROFILES].string_value = json.dumps(per_profile, sort_keys=True)
     header = list(itertools.takewhile(lambda ln: ln.startswith("#") and "specbuild tune" not in ln,
                                       old_text.splitlines()))   # the template's leading comment block
-    text = "\n".join(header + [f"# defaults set by `specbuild tune --apply` on "
-                               f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+    text = "\n".join(header + [f"# policy set by `specbuild tune --apply` on "
+                               f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {policy.describe()}",
                                text_format.MessageToString(cfg)]) + "\n"
     check = model_config_pb2.ModelConfig()
     text_format.Parse(text, check)
@@ -325,7 +328,7 @@ def apply_tuned_defaults(repo_dir: str | Path, k: int, proposer: str | None,
         raise ManifestError(f"internal error: the edited {path} does not parse back to the same config.")
     manifest_path = repo_dir / MANIFEST
     manifest = json.loads(manifest_path.read_text())
-    tuned = {"default_num_draft_tokens": k, "default_proposer": proposer, "tuned_profiles": per_profile,
+    tuned = {"policy": policy.to_dict(), "described": policy.describe(), "tuned_profiles": per_profile,
              "config": str(path), "applied": time.time()}
     manifest.setdefault("extra", {})["tuned"] = tuned
     atomic_write_text(path, text)
@@ -337,3 +340,12 @@ def apply_tuned_defaults(repo_dir: str | Path, k: int, proposer: str | None,
     workdir = repo_dir.parent
     return {**tuned, "restart": f"specbuild stop --workdir {workdir} && specbuild serve --workdir {workdir} "
                                 "--background"}
+
+
+def tuned_policy(default: dict[str, Any], engine: dict[str, Any]) -> Policy:
+    """The Policy `tune --apply` writes for the chosen setting: its K and proposer (the deployment's proposer
+    when the sweep did not choose one), no cut-off (every candidate was measured with a forced K)."""
+    proposer = default.get("proposer") or engine.get("default_proposer") or "draft"
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return Policy(k=int(default["k"]), proposer=proposer, max_concurrency=None,
+                  source=f"tune {stamp}: {default['label']}")

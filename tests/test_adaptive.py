@@ -12,11 +12,11 @@ import logging
 
 import pytest
 
-from specbuild.engines.embedded import Engine, EngineLimitError, SamplingParams
-from specbuild.engines.embedded.adaptive import (ADAPTIVE_K, AcceptanceTracker, AdaptivePolicy, CostModel,
-                                                 choose_batch_k, choose_k, cost_models, crossover_concurrency,
-                                                 fit_verify_curve, predicted_speedup, prior_alphas)
-from specbuild.engines.embedded.calibrate import predicted_speedup as calibrated_speedup
+from specbuild.engines.embedded import Engine, EngineLimitError, Policy, SamplingParams
+from specbuild.engines.embedded.config import ADAPTIVE_K
+from specbuild.engines.embedded.adaptive import (AcceptanceTracker, AdaptivePolicy, CostModel,
+                                                 choose_batch_k, choose_k, cost_models, cutoff_from_speedups,
+                                                 expected_tokens, fit_verify_curve, predicted_speedup, prior_alphas)
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -28,13 +28,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- the policy: pure functions ------------------------------------------------------------------
-def test_k0_scores_exactly_one_and_matches_the_calibration_formula():
+def test_k0_scores_exactly_one_and_matches_the_round_cost_formula():
+    """E[tokens per round] / ((K t_draft + t_verify[K]) / t_target), the verify times on the fitted line."""
     cost = cost_models(CALIBRATION)["draft"]
     assert predicted_speedup(0.7, 0, cost) == 1.0
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
     for k in (1, 2, 4):
         t_verify = 0.04 * (1 + cost.verify_overhead(k))
         assert predicted_speedup(0.7, k, cost) == pytest.approx(
-            calibrated_speedup(0.7, k, t_target=0.04, t_draft=0.012, t_verify=t_verify))
+            expected_tokens(0.7, k) / ((k * 0.012 + t_verify) / 0.04))
 
 
 def test_high_alpha_drafts_long_low_alpha_turns_speculation_off():
@@ -96,9 +99,11 @@ def test_tracker_counts_tested_drafts_only_and_probes_when_off():
 
 
 def test_crossover_is_the_first_batch_size_where_drafting_loses():
-    assert crossover_concurrency({8: 0.7, 1: 1.4, 4: 0.9, 2: 1.2}) == 4
-    assert crossover_concurrency({1: 0.8, 2: 1.1}) == 1
-    assert crossover_concurrency({1: 1.5, 8: 1.0}) is None
+    assert cutoff_from_speedups({8: 0.7, 1: 1.4, 4: 0.9, 2: 1.2}, 8) == (4, 2)
+    assert cutoff_from_speedups({1: 0.8, 2: 1.1}, 8) == (1, 0)
+    assert cutoff_from_speedups({1: 1.5, 8: 1.0}, 8) == (None, None)
+    assert cutoff_from_speedups({1: 1.5, 2: 1.2, 3: 1.05, 4: 0.9}, 8) == (4, 3)
+    assert cutoff_from_speedups({1: 1.3, 2: 1.1}, 8) == (None, 2)          # measuring stopped early
 
 
 # ---- the engine on tiny real checkpoints ---------------------------------------------------------
@@ -106,7 +111,7 @@ def test_crossover_is_the_first_batch_size_where_drafting_loses():
 def eng(tiny_llama, tiny_llama_draft):
     """Target with an unrelated draft; adaptive by default."""
     return Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=128,
-                                   adaptive_k=True, online_costs=False)   # the acceptance side of the policy
+                                   policy=Policy(), online_costs=False)   # adaptive: the acceptance side
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +146,7 @@ def test_adaptive_is_lossless_and_turns_an_unrelated_draft_off(eng, plain, monke
     trackers = _record_trackers(eng, monkeypatch)
     steps = zeros = 0
     for p in PROMPTS:
-        eng.scheduler.alpha_prior = prior_alphas(None)        # every request starts from the same prior
+        eng.scheduler.kplan.alpha_prior = prior_alphas(None)        # every request starts from the same prior
         out = eng.generate(p, GREEDY)                                      # engine default: adaptive
         history = trackers[-1].history
         ngram = eng.generate(p, GREEDY, num_draft_tokens=ADAPTIVE_K, proposer="ngram")
@@ -175,20 +180,20 @@ def test_adaptive_drafts_long_when_the_draft_is_the_target(eng_self, plain):
 def test_new_requests_start_from_what_finished_ones_measured(tiny_llama, plain, monkeypatch):
     eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128, online_costs=False)
     trackers = _record_trackers(eng, monkeypatch)
-    assert eng.scheduler.alpha_prior["draft"] == AdaptivePolicy().prior_alpha
+    assert eng.scheduler.kplan.alpha_prior["draft"] == AdaptivePolicy().prior_alpha
     first = eng.generate(PROMPTS[0], GREEDY, num_draft_tokens=-1)
-    assert eng.scheduler.alpha_prior["draft"] > AdaptivePolicy().prior_alpha      # all accepted: raised
-    assert eng.scheduler.alpha_prior["ngram"] == AdaptivePolicy().prior_alpha      # other proposer untouched
+    assert eng.scheduler.kplan.alpha_prior["draft"] > AdaptivePolicy().prior_alpha      # all accepted: raised
+    assert eng.scheduler.kplan.alpha_prior["ngram"] == AdaptivePolicy().prior_alpha      # other proposer untouched
     second = eng.generate(PROMPTS[1], GREEDY, num_draft_tokens=-1)
     assert second.token_ids == plain[PROMPTS[1]].token_ids
     assert first.token_ids == plain[PROMPTS[0]].token_ids
     assert trackers[1].history[0] > trackers[0].history[0]    # a higher starting estimate drafts more at once
     eng.generate(PROMPTS[2], GREEDY, num_draft_tokens=3)                           # fixed K: no effect
-    before = dict(eng.scheduler.alpha_prior)
+    before = dict(eng.scheduler.kplan.alpha_prior)
     eng.generate(PROMPTS[2], GREEDY, num_draft_tokens=3)
-    assert eng.scheduler.alpha_prior == before
+    assert eng.scheduler.kplan.alpha_prior == before
     eng.update_calibration({**CALIBRATION, "alpha": 0.2})
-    assert eng.scheduler.alpha_prior["draft"] == 0.2 and eng.scheduler.costs["draft"].cost_ratio == pytest.approx(0.3)
+    assert eng.scheduler.kplan.alpha_prior["draft"] == 0.2 and eng.scheduler.kplan.costs["draft"].cost_ratio == pytest.approx(0.3)
 
 
 def test_fixed_k_still_works_on_an_adaptive_engine(eng, plain):
@@ -201,7 +206,7 @@ def test_fixed_k_still_works_on_an_adaptive_engine(eng, plain):
 def test_concurrency_cutoff_stops_drafting_while_more_sequences_run(tiny_llama, plain):
     """The cut-off is the deployment's default policy: it applies to requests that leave K to the engine."""
     eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128, online_costs=False,
-                                  spec_max_concurrency=1, default_num_draft_tokens=3)
+                                  policy=Policy(k=3, max_concurrency=1))
     lens = [4, 4, 20]
     outs = eng.generate_batch([(p, SamplingParams(max_tokens=n, ignore_eos=True), None)
                                for p, n in zip(PROMPTS, lens)])
@@ -223,7 +228,7 @@ def test_concurrency_cutoff_stops_drafting_while_more_sequences_run(tiny_llama, 
 
 def test_an_explicit_k_forces_speculation_above_the_cutoff(tiny_llama, plain):
     eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=128, online_costs=False,
-                                  spec_max_concurrency=0, default_num_draft_tokens=3)   # 0 = never by default
+                                  policy=Policy(k=3, max_concurrency=0))   # 0 = never by default
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     default, forced, off = eng.generate_batch([(PROMPTS[0], params, None), (PROMPTS[1], params, 3),
                                                (PROMPTS[2], params, 0)])
@@ -251,21 +256,30 @@ def test_unsafe_always_accept_drifts_and_exact_does_not(tiny_llama, tiny_llama_d
 
 
 def test_build_dir_keys_kwargs_override_and_bad_values(tmp_path, tiny_llama, tiny_llama_draft):
-    cfg = {"target": str(tiny_llama), "draft": str(tiny_llama_draft), "max_batch_size": 2, "max_seq_len": 64,
-           "max_draft_len": 4, "adaptive_k": True, "spec_max_concurrency": 2,
-           "acceptance_rule": "unsafe-always-accept", "calibration": CALIBRATION}
+    cfg = {"format": "specbuild-embedded-engine", "schema": 2, "target": str(tiny_llama),
+           "draft": str(tiny_llama_draft), "max_batch_size": 2, "max_seq_len": 64, "max_draft_len": 4,
+           "policy": {"k": "adaptive", "max_concurrency": 2}, "acceptance_rule": "unsafe-always-accept",
+           "calibration": CALIBRATION}
     (tmp_path / "engine_config.json").write_text(json.dumps(cfg))
     eng = Engine.from_build_dir(tmp_path)
-    assert (eng.config.adaptive_k, eng.config.spec_max_concurrency, eng.config.acceptance_rule) == \
+    assert (eng.config.policy.adaptive, eng.config.policy.max_concurrency, eng.config.acceptance_rule) == \
         (True, 2, "unsafe-always-accept")
-    assert eng.scheduler.costs["draft"].cost_ratio == pytest.approx(0.3)
-    eng = Engine.from_build_dir(tmp_path, adaptive_k=False, spec_max_concurrency=None, acceptance_rule="exact")
-    assert (eng.config.adaptive_k, eng.config.spec_max_concurrency, eng.config.acceptance_rule) == \
-        (False, None, "exact")
+    assert eng.scheduler.kplan.costs["draft"].cost_ratio == pytest.approx(0.3)
+    eng = Engine.from_build_dir(tmp_path, policy=Policy(k=2), acceptance_rule="exact")
+    assert (eng.config.policy.k, eng.config.policy.max_concurrency, eng.config.acceptance_rule) == (2, None, "exact")
     with pytest.raises(EngineLimitError, match="acceptance_rule 'sloppy'"):
         Engine.from_build_dir(tmp_path, acceptance_rule="sloppy")
-    with pytest.raises(EngineLimitError, match="spec_max_concurrency=-1"):
-        Engine.from_build_dir(tmp_path, spec_max_concurrency=-1)
+    with pytest.raises(EngineLimitError, match="max_concurrency=-1"):
+        Engine.from_build_dir(tmp_path, policy=Policy(max_concurrency=-1))
+    with pytest.raises(EngineLimitError, match="above the engine's max_draft_len=4"):
+        Engine.from_build_dir(tmp_path, policy=Policy(k=6))
+    # schema 1 (loose keys, before the Policy object) still loads, as the policy it meant
+    legacy = {k: v for k, v in cfg.items() if k not in ("format", "schema", "policy")}
+    (tmp_path / "engine_config.json").write_text(json.dumps({**legacy, "adaptive_k": False,
+                                                             "default_num_draft_tokens": 3,
+                                                             "spec_max_concurrency": 1}))
+    old = Engine.from_build_dir(tmp_path).config.policy
+    assert (old.k, old.proposer, old.max_concurrency) == (3, "draft", 1)
     with pytest.raises(EngineLimitError, match="no draft model"):
         Engine.from_checkpoints(tiny_llama, max_seq_len=64).generate("x", GREEDY, num_draft_tokens=-1,
                                                                      proposer="draft")
@@ -319,7 +333,7 @@ def test_a_draft_that_is_slow_here_is_turned_off_by_measured_costs(tiny_llama, m
     outs = {}
     for online in (True, False):
         eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=2, max_seq_len=192,
-                                      adaptive_k=True, online_costs=online)
+                                      policy=Policy(), online_costs=online)
         fwd = eng.draft.forward
 
         def slow(*a, _fwd=fwd, **kw):

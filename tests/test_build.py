@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from specbuild.pipeline.build import build
 from specbuild.cli.main import cli
 from specbuild.pipeline.convert import convert
-from specbuild.engines.embedded.calibrate import (best_k, estimate_alpha, expected_tokens_per_round,
-                                                  predicted_speedup)
+from specbuild.engines.embedded.adaptive import CostModel, predicted_speedup
+from specbuild.engines.embedded.calibrate import estimate_alpha, speedup_table
 from specbuild.pipeline.errors import ManifestError, UsageError
 
 SMALL = dict(max_batch_size=2, max_seq_len=128, max_draft_len=4)
@@ -37,20 +37,15 @@ def self_draft_workdir(tmp_path_factory, tiny_llama):
 
 # ---- the speedup model ---------------------------------------------------------------------------
 
-def test_expected_tokens_per_round():
-    assert expected_tokens_per_round(0.0, 4) == 1.0
-    assert expected_tokens_per_round(1.0, 4) == 5.0
-    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-
-
-def test_predicted_speedup_and_best_k():
+def test_predicted_speedup_and_the_recommended_k():
     # Paper form: t_verify = t_target, c = 0.1, a = 0.8, K = 4 -> (1 - .8^5) / (.2 * 1.4) = 2.4011
-    assert predicted_speedup(0.8, 4, t_target=1.0, t_draft=0.1, t_verify=1.0) == pytest.approx(2.4011, abs=1e-4)
-    assert predicted_speedup(0.8, 0, t_target=1.0, t_draft=0.1, t_verify=1.0) == 1.0
-    k, table = best_k(0.8, t_target=1.0, t_draft=0.1, t_verify={k: 1.0 for k in range(1, 9)})
+    paper = CostModel(cost_ratio=0.1, verify_intercept=0.0, verify_slope=0.0)
+    assert predicted_speedup(0.8, 4, paper) == pytest.approx(2.4011, abs=1e-4)
+    assert predicted_speedup(0.8, 0, paper) == 1.0
+    k, table = speedup_table(0.8, paper, 8)
     assert k == max(table, key=table.get) and 3 <= k <= 6
     # A draft as expensive as the target never pays: best is still a K, but below 1x.
-    k, table = best_k(0.5, t_target=1.0, t_draft=1.0, t_verify={1: 1.2, 2: 1.3})
+    k, table = speedup_table(0.5, CostModel(cost_ratio=1.0, verify_intercept=0.1, verify_slope=0.1), 2)
     assert k == 1 and table[1] < 1.0
 
 
@@ -71,7 +66,7 @@ def test_build_writes_engine_dir_and_sane_calibration(pair_workdir):
     cfg = json.loads((out / "engine_config.json").read_text())
     assert cfg["max_batch_size"] == 2 and cfg["max_seq_len"] == 128 and cfg["max_draft_len"] == 4
     assert cfg["dtype"] == "float32" and cfg["device"] == "cpu" and cfg["draft"] == "draft"
-    assert cfg["draft_format"] == "hf-safetensors" and cfg["default_proposer"] == "draft"
+    assert cfg["draft_format"] == "hf-safetensors" and cfg["policy"]["proposer"] == "draft"
     assert cfg["draft_kv"] == "own"                  # an unrelated draft keeps its own KV cache
     for rel in ("target/model.safetensors", "target/config.json", "draft/model.safetensors",
                 "tokenizer/tokenizer.json", "manifest.json"):
@@ -81,7 +76,7 @@ def test_build_writes_engine_dir_and_sane_calibration(pair_workdir):
     assert 0.0 <= cal["alpha"] <= 1.0 and 0.0 <= cal["acceptance_rate"] <= 1.0
     assert set(cal["alpha_by_kind"]) == {"chat", "code", "summarization"}
     assert 1 <= cal["recommended_k"] <= 4
-    assert cfg["default_num_draft_tokens"] == cal["recommended_k"]
+    assert cfg["policy"]["k"] == "adaptive"          # calibrated, no K given: adaptive K
     assert cal["t_target_s"] > 0 and cal["t_draft_s"] > 0
     assert sorted(cal["t_verify_s"]) == ["1", "2", "3", "4"] and min(cal["t_verify_s"].values()) > 0
     assert cal["cost_ratio"] == pytest.approx(cal["t_draft_s"] / cal["t_target_s"])
@@ -101,11 +96,12 @@ def test_rerun_is_noop_and_changed_option_rebuilds(pair_workdir):
     changed = build(workdir=wd, **{**SMALL, "max_batch_size": 3}, num_draft_tokens=2, calibrate=False)
     assert not changed.skipped and changed.manifest["fingerprint"] != first.manifest["fingerprint"]
     cfg = json.loads(cfg_path.read_text())
-    assert cfg["max_batch_size"] == 3 and cfg["default_num_draft_tokens"] == 2 and cfg["calibration"] is None
+    assert cfg["max_batch_size"] == 3 and cfg["policy"]["k"] == 2 and cfg["calibration"] is None
+    assert cfg["policy"]["max_concurrency"] is None and cfg["policy"]["source"] == "build: not calibrated"
 
 
 def test_int8_self_draft_loads_and_generates(self_draft_workdir):
-    from specbuild.engines.embedded import Engine, SamplingParams
+    from specbuild.engines.embedded import Engine, Policy, SamplingParams
     from specbuild.engines.embedded.quant import Int8Linear
 
     wd, result = self_draft_workdir
@@ -117,9 +113,9 @@ def test_int8_self_draft_loads_and_generates(self_draft_workdir):
     assert not (out / "draft" / "model.safetensors").exists()
     assert result.manifest["outputs"]["draft"]["quantized_linears"] > 0
     # (the measured cut-off of a tiny model may be 0 = never draft; this test is about the int8 draft itself)
-    engine = Engine.from_build_dir(out, spec_max_concurrency=None)
+    engine = Engine.from_build_dir(out, policy=Policy(k=3))
     assert engine.scheduler.draft.cache is engine.scorer.cache
-    assert engine.config.has_draft and engine.config.default_num_draft_tokens == cfg["default_num_draft_tokens"]
+    assert engine.config.has_draft and engine.config.policy.k == 3
     assert any(isinstance(m, Int8Linear) for m in engine.draft.modules())
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     plain = engine.generate("The quick brown fox", params, num_draft_tokens=0)
@@ -134,7 +130,7 @@ def test_ngram_build_explicit_k_wins_over_calibration(tmp_path, tiny_llama, tiny
     convert(tiny_llama, tiny_llama_draft, workdir=tmp_path)
     result = build(workdir=tmp_path, proposer="ngram", num_draft_tokens=3, **SMALL)
     cfg = json.loads((tmp_path / "engines" / "engine_config.json").read_text())
-    assert cfg["draft"] is None and cfg["default_proposer"] == "ngram" and cfg["default_num_draft_tokens"] == 3
+    assert cfg["draft"] is None and cfg["policy"]["proposer"] == "ngram" and cfg["policy"]["k"] == 3
     assert not (tmp_path / "engines" / "draft").exists()
     cal = result.calibration
     assert cal["proposer"] == "ngram" and cal["t_draft_s"] == 0.0 and 0.0 <= cal["alpha"] <= 1.0
@@ -180,6 +176,12 @@ def test_cli_build_noop_dry_run_and_errors(pair_workdir):
     dry = runner.invoke(cli, ["build", "--workdir", str(wd), "--draft-quantize", "int8", "--dry-run"])
     assert dry.exit_code == 0, dry.output
     assert "model.int8.safetensors" in dry.output and "engine_config.json" in dry.output
+    # the dry run says which policy the real run writes
+    assert "default policy: adaptive K with the draft, off above the concurrency where the measured crossover" \
+        in dry.output
+    fixed = runner.invoke(cli, ["build", "--workdir", str(wd), "--num-draft-tokens", "2", "--no-calibrate",
+                                "--dry-run"])
+    assert "default policy: K=2 with the draft, at any concurrency" in fixed.output
     bad = runner.invoke(cli, ["build", "--workdir", str(wd), "--max-draft-len", "99"])
     assert bad.exit_code == 2 and "--max-draft-len" in bad.output
     missing = runner.invoke(cli, ["build", "--workdir", str(wd / "nowhere")])
@@ -188,13 +190,9 @@ def test_cli_build_noop_dry_run_and_errors(pair_workdir):
 
 # ---- the default policy: adaptive K below the measured crossover, no drafting above -------------------------
 
-def test_cutoff_from_speedups():
-    from specbuild.engines.embedded.calibrate import crossover_batches, cutoff_from_speedups
+def test_crossover_batches():
+    from specbuild.engines.embedded.calibrate import crossover_batches
 
-    assert cutoff_from_speedups({1: 1.5, 2: 1.2, 3: 1.05, 4: 0.9}, 8) == (4, 3)
-    assert cutoff_from_speedups({1: 1.4, 2: 1.1}, 2) == (None, None)
-    assert cutoff_from_speedups({1: 1.3, 2: 1.1}, 8) == (None, 2)          # measuring stopped early
-    assert cutoff_from_speedups({1: 0.8}, 8) == (1, 0)
     assert crossover_batches(8) == [1, 2, 3, 4, 6, 8] and crossover_batches(5) == [1, 2, 3, 4, 5]
     assert crossover_batches(1) == [1]
 
@@ -211,18 +209,18 @@ def test_build_measures_the_crossover_and_makes_it_the_default_policy(pair_workd
         assert all(s >= 0 for s in measured.values())
         assert x["spec_max_concurrency"] is None or 0 <= x["spec_max_concurrency"] <= SMALL["max_batch_size"]
         if x["crossover"] is not None:
-            assert measured[x["crossover"]] < 1.0 and x["spec_max_concurrency"] == x["crossover"] - 1 or \
-                x["spec_max_concurrency"] < x["crossover"]
-    assert cfg["adaptive_k"] is True
-    assert cfg["spec_max_concurrency"] == cross["draft"]["spec_max_concurrency"]
+            assert measured[x["crossover"]] < 1.0 and x["spec_max_concurrency"] < x["crossover"]
+    assert cfg["policy"]["k"] == "adaptive" and cfg["policy"]["source"] == "build: calibrated, measured cut-off"
+    assert cfg["policy"]["max_concurrency"] == cross["draft"]["spec_max_concurrency"]
 
 
 def test_explicit_options_win_over_the_measured_policy(tmp_path, tiny_llama, tiny_llama_draft):
     convert(tiny_llama, tiny_llama_draft, workdir=tmp_path)
     fixed = build(workdir=tmp_path, **SMALL, num_draft_tokens=2, spec_max_concurrency=1)
     cfg = json.loads((tmp_path / "engines" / "engine_config.json").read_text())
-    assert cfg["adaptive_k"] is False and cfg["spec_max_concurrency"] == 1 and cfg["default_num_draft_tokens"] == 2
+    assert cfg["policy"] == {"k": 2, "proposer": "draft", "max_concurrency": 1, "source": "build: calibrated"}
     assert "crossover" not in fixed.calibration                 # an explicit cut-off is not measured
     off = build(workdir=tmp_path, **SMALL, crossover=False, force=True)
     cfg = json.loads((tmp_path / "engines" / "engine_config.json").read_text())
-    assert "crossover" not in off.calibration and cfg["spec_max_concurrency"] is None and cfg["adaptive_k"] is True
+    assert "crossover" not in off.calibration
+    assert cfg["policy"]["max_concurrency"] is None and cfg["policy"]["k"] == "adaptive"

@@ -97,7 +97,7 @@ def test_joining_request_streams_its_first_token_before_its_first_round(eng, pla
 
 def test_chunked_prefill_keeps_running_sequences_decoding(eng, plain, monkeypatch):
     sched = eng.scheduler
-    monkeypatch.setattr(sched, "prefill_token_budget", 5)
+    monkeypatch.setattr(sched.admission, "prefill_token_budget", 5)
     ev = Events(eng, monkeypatch)
     a = eng.submit(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), num_draft_tokens=0,
                    on_output=ev.on_output)
@@ -125,7 +125,7 @@ def test_chunked_prefill_keeps_running_sequences_decoding(eng, plain, monkeypatc
 
 
 def test_chunked_prefill_greedy_equals_target_only_in_a_batch(eng, plain, monkeypatch):
-    monkeypatch.setattr(eng.scheduler, "prefill_token_budget", 3)
+    monkeypatch.setattr(eng.scheduler.admission, "prefill_token_budget", 3)
     outs = eng.generate_batch([(LONG, GREEDY, 3), (PROMPTS[0], GREEDY, 0), (PROMPTS[1], GREEDY, -1),
                                (PROMPTS[2], GREEDY, 2)], proposer="draft")
     assert [o.token_ids for o in outs] == [plain[LONG]] + [plain[p] for p in PROMPTS]
@@ -162,7 +162,7 @@ def test_sampled_first_token_uses_the_request_generator(eng):
 
 def test_abort_during_chunked_prefill_frees_the_slot(eng, monkeypatch):
     sched = eng.scheduler
-    monkeypatch.setattr(sched, "prefill_token_budget", 4)
+    monkeypatch.setattr(sched.admission, "prefill_token_budget", 4)
     deltas = []
     a = eng.submit(PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True), num_draft_tokens=0,
                    on_output=deltas.append)
@@ -188,7 +188,7 @@ def test_a_waiting_request_cuts_the_running_draft_round_short(tiny_llama):
     eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=2, max_seq_len=128)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = eng.generate("hello world", params, num_draft_tokens=0).token_ids
-    eng.scheduler._admission_pending = lambda: True          # as if a request arrived during every round
+    eng.scheduler.admission.pending = lambda: True           # as if a request arrived during every round
     out = eng.generate("hello world", params, num_draft_tokens=6)
     assert out.token_ids == ref
     assert out.stats.num_drafts > 0 and set(out.stats.k_counts) <= {0, 1}   # one draft token per round

@@ -56,7 +56,7 @@ def test_streamed_text_equals_full_decode(eng, plain):
 
 def test_qwen2_target_with_ngram_speculation(tiny_qwen2):
     e = Engine.from_checkpoints(tiny_qwen2, max_batch_size=2, max_seq_len=96)
-    assert e.config.default_proposer == "ngram" and not e.config.has_draft
+    assert e.config.policy.proposer == "ngram" and not e.config.has_draft
     for p in PROMPTS[:2]:
         base = e.generate(p, GREEDY, num_draft_tokens=0)
         assert e.generate(p, GREEDY, num_draft_tokens=4).token_ids == base.token_ids
@@ -102,9 +102,9 @@ def test_int8_draft_and_build_dir_layout(tmp_path, tiny_llama, plain):
     (eng_dir / "engine_config.json").write_text(json.dumps({
         "target": "target", "draft": "draft", "draft_format": "hf-safetensors", "draft_quantize": "int8",
         "tokenizer": "tokenizer", "max_batch_size": 2, "max_seq_len": 64, "max_draft_len": 5, "dtype": "float32",
-        "device": "cpu", "threads": None, "default_num_draft_tokens": 3, "default_proposer": "draft"}))
+        "device": "cpu", "threads": None, "policy": {"k": 3, "proposer": "draft"}}))
     e = Engine.from_build_dir(eng_dir)
-    assert e.config.max_seq_len == 64 and e.config.default_num_draft_tokens == 3 and e.config.has_draft
+    assert e.config.max_seq_len == 64 and e.config.policy.k == 3 and e.config.has_draft
     from specbuild.engines.embedded.quant import Int8Linear
 
     assert isinstance(e.draft.layers[0].qkv, Int8Linear) and not isinstance(e.target.layers[0].qkv, Int8Linear)
@@ -165,9 +165,9 @@ def test_stop_string_is_trimmed_and_never_streamed(eng, plain, k):
 
 
 def test_default_eos_is_the_tokenizers(eng):
-    assert eng.config.eos_token_id == eng.tokenizer.eos_token_id == 2
+    assert eng.eos_token_id == eng.tokenizer.eos_token_id == 2
     seq = eng._make_sequence("hi", SamplingParams(max_tokens=8), None, None, None)
-    assert seq.stop_ids == {2} and seq.num_draft_tokens == eng.config.default_num_draft_tokens
+    assert seq.stop_ids == {2} and seq.num_draft_tokens == eng.config.policy.k
     assert eng._make_sequence("hi", SamplingParams(max_tokens=8, ignore_eos=True), None, None, None).stop_ids == set()
 
 

@@ -152,13 +152,13 @@ def test_concurrent_storm_beside_good_requests(eng, reference):
             assert sink.error is None or sink.kind in ("invalid", "internal"), sink.error
     m = fe.metrics()
     assert m["live"] == 0 and m["slots_free"] == 3 and m["running"] == 0 and m["waiting"] == 0
-    assert m["refused_invalid_total"] >= 1
+    assert m["requests_refused_invalid_total"] >= 1
     fe.close(timeout=5)
     assert not fe._sender.is_alive() and eng._thread is None
 
 
 def test_bounded_queue_and_queue_time_limit(eng):
-    eng.configure(max_queue_size=1, queue_timeout_s=5.0)
+    eng.set_admission(max_queue_size=1, queue_timeout_s=5.0)
     now = [0.0]
     eng.scheduler.clock = lambda: now[0]
     fe = Frontend(eng)

@@ -151,30 +151,47 @@ def test_16_concurrent_streams_interleave(running_server, reference):
 
 
 def test_metrics_present_and_moving(running_server):
+    """The counters a client reads after its response include that response: no waiting, no polling (the
+    frontend publishes the metrics before it delivers a final reply)."""
+    from specbuild.engines.embedded.adaptive import DEFAULT_DRAFT_COST_RATIO
+    from specbuild.pipeline.metrics import metric_sum
+
     before = wait_metrics(running_server, lambda m: metric(m, "specbuild_running_requests") == 0, "an idle engine")
+    first = before
     for name in ("specbuild_requests_total", "specbuild_generated_tokens_total", "specbuild_draft_tokens_total",
                  "specbuild_accepted_tokens_total", "specbuild_drafts_total", "specbuild_acceptance_rate",
-                 "nv_inference_request_success"):
+                 "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens", "specbuild_requests_timed_out_total",
+                 "specbuild_queue_full_total", "nv_inference_request_success"):
         assert any(k == name or k.startswith(name + "{") for k in before), name
-    gen = client(running_server, contract.SPECULATIVE_MODEL).generate(
-        PROMPTS[3], max_tokens=12, min_tokens=12, num_draft_tokens=4, return_perf_metrics=True)
+    c = client(running_server, contract.SPECULATIVE_MODEL)
+    for _ in range(3):
+        gen = c.generate(PROMPTS[3], max_tokens=12, min_tokens=12, num_draft_tokens=4, return_perf_metrics=True)
+        after = scrape(running_server)                    # at once: the counters already include it
 
-    def delta(m, name):
-        return metric(m, name) - metric(before, name)
+        def delta(name):
+            return metric(after, name) - metric(before, name)
 
-    # the watchdog refreshes the counters every 0.1 s: wait until they account for the whole request
-    after = wait_metrics(running_server, lambda m: delta(m, "specbuild_requests_total") >= 1
-                         and delta(m, "specbuild_generated_tokens_total") >= 12, "the new request")
-    assert delta(after, "specbuild_generated_tokens_total") == 12
-    assert delta(after, "specbuild_draft_tokens_total") == gen.total_draft_tokens
-    assert delta(after, "specbuild_accepted_tokens_total") == gen.total_accepted_draft_tokens
+        assert delta("specbuild_requests_total") == 1 and delta("specbuild_generated_tokens_total") == 12
+        assert delta("specbuild_draft_tokens_total") == gen.total_draft_tokens > 0
+        assert delta("specbuild_accepted_tokens_total") == gen.total_accepted_draft_tokens
+        # the vLLM-schema counters count the same things
+        assert delta("vllm:spec_decode_num_draft_tokens") == gen.total_draft_tokens
+        assert delta("vllm:spec_decode_num_accepted_tokens") == gen.total_accepted_draft_tokens
+        assert delta("vllm:spec_decode_num_drafts") == delta("specbuild_drafts_total") > 0
+        per_pos = metric_sum(after, "vllm:spec_decode_num_accepted_tokens_per_pos") - \
+            metric_sum(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        assert per_pos == gen.total_accepted_draft_tokens
+        before = after
     drafted, accepted = metric(after, "specbuild_draft_tokens_total"), metric(after, "specbuild_accepted_tokens_total")
     assert metric(after, "specbuild_acceptance_rate") == pytest.approx(accepted / drafted)
-    # what adaptive K prices the draft with: the build's calibrated c until the serving loop has measured it
-    assert metric(after, "specbuild_draft_cost_ratio") > 0
-    assert metric(after, "specbuild_target_step_ms") >= 0 and "specbuild_spec_cutoff_steps_total" in after
-    assert after['nv_inference_request_success{model="tensorrt_llm_bls",version="1"}'] > \
-        before.get('nv_inference_request_success{model="tensorrt_llm_bls",version="1"}', 0)
+    # What adaptive K prices the draft with: this build is not calibrated and only forced-K rounds ran, so the
+    # documented default; a plain request then gives the serving loop a measured plain step.
+    assert metric(after, "specbuild_draft_cost_ratio") == pytest.approx(DEFAULT_DRAFT_COST_RATIO)
+    c.generate(PROMPTS[3], max_tokens=12, min_tokens=12, num_draft_tokens=0)
+    assert metric(scrape(running_server), "specbuild_target_step_ms") > 0
+    key = 'nv_inference_request_success{model="tensorrt_llm_bls",version="1"}'   # tritonserver's own counter
+    wait_metrics(running_server, lambda m: m.get(key, 0) >= first.get(key, 0) + 4, "Triton's success count")
 
 
 def _stream_error(srv, model: str, inputs: list) -> str:

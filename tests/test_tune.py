@@ -20,7 +20,8 @@ from specbuild.pipeline.errors import ManifestError, UsageError
 from specbuild.loadtests.report import summarize_cell
 from specbuild.loadtests.runner import CellResult
 from specbuild.pipeline.manifest import Manifest, write_manifest
-from specbuild.pipeline.tune import TuneConfig, apply_tuned_defaults, parse_k_list, plan_settings, sweep_ks
+from specbuild.engines.embedded.config import ConfigError, Policy
+from specbuild.pipeline.tune import TuneConfig, apply_policy, parse_k_list, plan_settings, sweep_ks, tuned_policy
 from specbuild.pipeline.tune_score import (OBJECTIVES, Setting, cell_row, choose_default, choose_winner, gain_vs_baseline,
                                   render_markdown)
 
@@ -168,10 +169,10 @@ def test_apply_round_trip_on_a_rendered_config(repo_workdir):
     path = repo / "tensorrt_llm" / "config.pbtxt"
     before = parse(path)
     per = {"chat": {"k": 4, "proposer": "draft"}, "batch": {"k": 0, "proposer": None}}
-    out = apply_tuned_defaults(repo, 4, "draft", per)
+    out = apply_policy(repo, Policy(k=4, proposer="draft", source="tune"), per)
     after = parse(path)
     params = {k: v.string_value for k, v in after.parameters.items()}
-    assert params["default_num_draft_tokens"] == "4" and params["default_proposer"] == "draft"
+    assert Policy.from_dict(json.loads(params["policy"])) == Policy(k=4, proposer="draft", source="tune")
     assert json.loads(params["tuned_profiles"]) == per
     for key in ("engine_dir", "device", "threads"):
         assert params[key] == before.parameters[key].string_value
@@ -181,12 +182,13 @@ def test_apply_round_trip_on_a_rendered_config(repo_workdir):
     text = path.read_text()
     assert text.startswith("# specbuild embedded deployment") and text.count("specbuild tune --apply") == 1
     manifest = json.loads((repo / "manifest.json").read_text())
-    assert manifest["extra"]["tuned"]["default_num_draft_tokens"] == 4
+    assert manifest["extra"]["tuned"]["policy"]["k"] == 4
+    assert manifest["extra"]["tuned"]["described"] == "K=4 with the draft, at any concurrency"
     assert "specbuild stop" in out["restart"] and "serve" in out["restart"]
     # applying again replaces (no duplicate header, K=0 without a proposer drops the old one)
-    apply_tuned_defaults(repo, 0, None, {"chat": {"k": 0, "proposer": None}})
+    apply_policy(repo, Policy(k=0, proposer="draft"), {"chat": {"k": 0, "proposer": None}})
     params = {k: v.string_value for k, v in parse(path).parameters.items()}
-    assert params["default_num_draft_tokens"] == "0" and "default_proposer" not in params
+    assert json.loads(params["policy"])["k"] == 0 and "default_num_draft_tokens" not in params
     assert path.read_text().count("specbuild tune --apply") == 1
 
 
@@ -194,16 +196,16 @@ def test_apply_refusals_leave_the_config_untouched(repo_workdir, tmp_path_factor
     repo = repo_workdir / "model_repository"
     path = repo / "tensorrt_llm" / "config.pbtxt"
     original = path.read_text()
-    with pytest.raises(UsageError, match="max_draft_len 4"):
-        apply_tuned_defaults(repo, 6, "draft", {})
-    with pytest.raises(UsageError, match="unknown"):
-        apply_tuned_defaults(repo, 2, "medusa", {})
+    with pytest.raises(UsageError, match="max_draft_len=4"):
+        apply_policy(repo, Policy(k=6), {})
+    with pytest.raises(ConfigError, match="unknown"):
+        Policy(k=2, proposer="medusa")
     assert path.read_text() == original
     with pytest.raises(ManifestError, match="run `specbuild deploy`"):
-        apply_tuned_defaults(tmp_path_factory.mktemp("empty") / "model_repository", 2, "draft", {})
+        apply_policy(tmp_path_factory.mktemp("empty") / "model_repository", Policy(k=2), {})
     write_manifest(repo, Manifest(stage="deploy", inputs={}, options={"backend": "trtllm"}))
     with pytest.raises(UsageError, match="embedded engine only"):
-        apply_tuned_defaults(repo, 2, "draft", {})
+        apply_policy(repo, Policy(k=2), {})
     assert path.read_text() == original
 
 
@@ -265,7 +267,7 @@ def test_tune_end_to_end_against_the_real_server(running_server, tmp_path):
     md = (work / "tune" / "tune.md").read_text()
     assert "## chat" in md and f"Winner: **{chat['winner']['label']}**" in md
     params = parse(work / "model_repository" / "tensorrt_llm" / "config.pbtxt").parameters
-    assert params["default_num_draft_tokens"].string_value == str(chat["winner"]["k"])
+    assert json.loads(params["policy"].string_value)["k"] == chat["winner"]["k"]
     assert json.loads(params["tuned_profiles"].string_value)["chat"]["k"] == chat["winner"]["k"]
     assert result["applied"]["config"] == str(work / "model_repository" / "tensorrt_llm" / "config.pbtxt")
     assert "restart to apply" in res.output
@@ -277,7 +279,7 @@ def test_tune_end_to_end_against_the_real_server(running_server, tmp_path):
     info = serve.start(work, serve_options())
     try:
         loaded = httpx.get(f"{info.http_url}/v2/models/tensorrt_llm/config", timeout=30).json()["parameters"]
-        assert loaded["default_num_draft_tokens"]["string_value"] == str(chat["winner"]["k"])
+        assert json.loads(loaded["policy"]["string_value"])["k"] == chat["winner"]["k"]
         gen = httpx.post(f"{info.http_url}/v2/models/tensorrt_llm_bls/generate",
                          json={"text_input": "Hello", "max_tokens": 4}, timeout=120)
         assert gen.status_code == 200 and "text_output" in gen.json()

@@ -1,18 +1,31 @@
 """The embedded speculative-decoding engine (pure PyTorch; CPU or CUDA).
 
-Public API: `Engine`, `EngineConfig`, `SamplingParams`, `StreamDelta`, `RequestOutput`, `SpecStats`,
-`EngineLimitError`. Roles: model.py (decoder), weights.py (loader), kvcache.py, sampling.py,
-proposers.py (draft model, n-gram), scorer.py (target verify), acceptor.py (greedy / rejection sampling),
-stats.py, detok.py, scheduler.py (continuous batching), engine.py (API).
+Public API: `Engine`, `EngineConfig`, `Policy`, `SamplingParams`, `StreamDelta`, `RequestOutput`, `SpecStats`,
+`EngineLimitError`. Roles: config.py (engine_config.json, the policy; no torch), model.py (decoder), weights.py
+(loader), kvcache.py, sampling.py, proposers.py (draft model, n-gram), scorer.py (target verify), acceptor.py
+(greedy / rejection sampling), adaptive.py (the cost model, adaptive K), admission.py, kplan.py, delivery.py,
+scheduler.py (continuous batching: the speculative round), engine.py (API), frontend.py (serving lifecycle).
+
+The names are imported lazily, so `specbuild.engines.embedded.config` (and the stages that only read a config)
+do not load torch.
 """
 
-from specbuild.engines.embedded.acceptor import PLACEHOLDER, Accepted, greedy_accept, rejection_accept
-from specbuild.engines.embedded.engine import ENGINE_CONFIG_FILE, Engine, EngineConfig
-from specbuild.engines.embedded.errors import EngineError, EngineLimitError
-from specbuild.engines.embedded.sampling import SamplingParams
-from specbuild.engines.embedded.sequence import RequestOutput, StreamDelta
-from specbuild.engines.embedded.stats import SpecStats
+from __future__ import annotations
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "StreamDelta", "RequestOutput", "SpecStats",
-           "EngineLimitError", "EngineError", "ENGINE_CONFIG_FILE", "PLACEHOLDER", "Accepted", "greedy_accept",
-           "rejection_accept"]
+import importlib
+
+_EXPORTS = {
+    "Engine": "engine", "EngineConfig": "config", "Policy": "config", "ENGINE_CONFIG_FILE": "config",
+    "ADAPTIVE": "config", "ADAPTIVE_K": "config", "ConfigError": "config",
+    "EngineLimitError": "errors", "EngineError": "errors", "EngineUnavailableError": "errors",
+    "SamplingParams": "sampling", "StreamDelta": "sequence", "RequestOutput": "sequence", "SpecStats": "stats",
+    "PLACEHOLDER": "acceptor", "Accepted": "acceptor", "greedy_accept": "acceptor", "rejection_accept": "acceptor",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specbuild.engines.embedded.sampling import sample
+from specbuild.engines.embedded.config import ACCEPTANCE_RULES, EXACT, UNSAFE_ALWAYS_ACCEPT  # noqa: F401
+from specbuild.engines.embedded.sampling import processed_probs, sample
 
 PLACEHOLDER = -1
 
@@ -88,9 +89,6 @@ def rejection_accept(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
 
 
 # ---- acceptance rules ----------------------------------------------------------------------------
-EXACT = "exact"
-UNSAFE_ALWAYS_ACCEPT = "unsafe-always-accept"
-ACCEPTANCE_RULES = (EXACT, UNSAFE_ALWAYS_ACCEPT)
 
 
 def always_accept(draft_token_ids: list[int], bonus_token_id: int) -> Accepted:
@@ -102,3 +100,35 @@ def always_accept(draft_token_ids: list[int], bonus_token_id: int) -> Accepted:
     """
     k = len(draft_token_ids)
     return Accepted(list(draft_token_ids) + [int(bonus_token_id)], k, k)
+
+
+def accept_batch(seqs, proposals, logits, rule: str = EXACT) -> list[Accepted]:
+    """Accept or reject every sequence's drafts: greedy sequences by the longest matching prefix (one argmax
+    over the whole batch), sampling ones by the rejection-sampling rule with their own generator.
+    `proposals[i].token_ids` [K_i], `.probs` [K_i, V] or None (one-hot: n-gram, greedy draft); `logits[i]`
+    [K_i + 1, V] from the scorer."""
+    if rule == UNSAFE_ALWAYS_ACCEPT:
+        return [_accept_unsafe(s, p, lg) for s, p, lg in zip(seqs, proposals, logits)]
+    results: list[Accepted | None] = [None] * len(seqs)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    if greedy:
+        argmax = torch.cat([logits[i] for i in greedy]).argmax(-1).tolist()    # one device sync
+        o = 0
+        for i in greedy:
+            n = logits[i].shape[0]
+            results[i] = greedy_accept(proposals[i].token_ids, argmax[o:o + n])
+            o += n
+    for i, s in enumerate(seqs):
+        if results[i] is None:
+            p = processed_probs(logits[i], s.params)                  # [K+1, V]
+            d = torch.tensor(proposals[i].token_ids, dtype=torch.long, device=p.device)
+            results[i] = rejection_accept(d, proposals[i].probs, p, s.generator)
+    return results
+
+
+def _accept_unsafe(s, proposal, logits) -> Accepted:
+    """The deliberately broken rule: every draft accepted, then the target's token after the last draft."""
+    last = logits[-1:]                                                 # [1, V] after the last draft
+    bonus = int(last.argmax(-1)[0]) if s.params.greedy else int(sample(processed_probs(last, s.params),
+                                                                        s.generator)[0])
+    return always_accept(proposal.token_ids, bonus)

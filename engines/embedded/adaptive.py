@@ -1,10 +1,11 @@
-"""Adaptive K: each sequence's own acceptance decides how many tokens to draft at each step.
+"""The one cost model of speculation, and adaptive K: each sequence's own acceptance decides how many tokens
+to draft at each step.
 
-Request side: `num_draft_tokens=-1` (`ADAPTIVE_K`) asks for adaptive mode, and so does the engine default
-when `engine_config.json` has `adaptive_k: true` and a request sends no K. K then varies per step in
-[0, max_draft_len]; K = 0 is a plain decode step (speculation off for sequences where it does not pay).
+Request side: `num_draft_tokens=-1` asks for adaptive mode, and so does a request that sends no K when the
+policy's k is "adaptive" (config.py). K then varies per step in [0, max_draft_len]; K = 0 is a plain decode
+step (speculation off for sequences where it does not pay).
 
-Model (the one `calibrate.py` records; Leviathan et al. 2023 with a measured verify cost). With per-token
+Model (what `calibrate.py` measures the terms of; Leviathan et al. 2023 with a measured verify cost). With per-token
 acceptance a and K drafted tokens one round emits E = (1 - a^(K+1)) / (1 - a) tokens and costs, relative
 to a plain target step,
 
@@ -31,7 +32,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-ADAPTIVE_K = -1                       # num_draft_tokens value meaning "adaptive"
 DEFAULT_DRAFT_COST_RATIO = 0.3        # c when no calibration of the draft exists
 DEFAULT_VERIFY = (0.1, 0.05)          # v(K) = a + b*K when no calibration exists (intercept, slope)
 
@@ -188,13 +188,19 @@ def choose_batch_k(alphas: list[float], caps: list[int], cost: CostModel) -> int
     return best_k
 
 
-def crossover_concurrency(speedup_by_batch: dict[int, float]) -> int | None:
-    """The lowest measured batch size where speculation's speedup is below 1.0 (None: it paid everywhere).
-    `spec_max_concurrency` = crossover - 1 keeps drafting only where it was measured to pay.
+def cutoff_from_speedups(speedup: dict[int, float], max_batch_size: int) -> tuple[int | None, int | None]:
+    """(crossover, max_concurrency) from measured speedups by concurrency: the crossover is the lowest
+    concurrency where speculation was slower than plain decoding; the cut-off is the largest measured one
+    below it (0: it never paid), or None when it paid at every concurrency up to max_batch_size.
 
-    Example: {1: 1.4, 2: 1.2, 4: 0.9, 8: 0.7} -> 4 (spec_max_concurrency 3).
+    Example: {1: 1.5, 2: 1.2, 3: 1.05, 4: 0.9}, 8 -> (4, 3); {1: 1.4, 2: 1.1}, 2 -> (None, None);
+    {1: 1.3, 2: 1.1} (measuring stopped early), 8 -> (None, 2); {1: 0.8}, 8 -> (1, 0).
     """
-    return next((b for b in sorted(speedup_by_batch) if speedup_by_batch[b] < 1.0), None)
+    crossover = next((b for b in sorted(speedup) if speedup[b] < 1.0), None)
+    if crossover is None and speedup and max(speedup) >= max_batch_size:
+        return None, None
+    paid = [b for b in sorted(speedup) if crossover is None or b < crossover]
+    return crossover, (max(paid) if paid else 0)
 
 
 class OnlineCosts:

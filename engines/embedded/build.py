@@ -25,15 +25,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specbuild.engines.embedded.config import ADAPTIVE, EngineConfig, Policy
+from specbuild.pipeline.constants import ENGINE_CONFIG_FILE, TOKENIZER_FILES
 from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
 from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
-ENGINE_JSON = "engine_config.json"    # = specbuild.engines.embedded.ENGINE_CONFIG_FILE, read by Engine.from_build_dir
-ENGINE_FORMAT = "specbuild-embedded-engine"
-ENGINE_SCHEMA = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
 SMOKE_PROMPT = "The capital of France is"
 SMOKE_TOKENS = 8
 
@@ -75,39 +71,35 @@ def _weights(src: Path) -> list[Path]:
     return files + ([index] if index.is_file() else [])
 
 
-def _engine_config(opts: dict[str, Any], *, has_draft: bool, default_k: int, calibration: dict | None) -> dict:
+def _engine_config(opts: dict[str, Any], *, has_draft: bool, policy: Policy, calibration: dict | None) -> EngineConfig:
     """The runtime config `Engine.from_build_dir` reads (paths relative to the engine directory)."""
     draft_format = None
     if has_draft:
         draft_format = "int8-weight-only" if opts["draft_quantize"] == "int8" else "hf-safetensors"
-    return {
-        "format": ENGINE_FORMAT, "schema": ENGINE_SCHEMA,
-        "target": "target", "target_format": "hf-safetensors",
-        "draft": "draft" if has_draft else None, "draft_format": draft_format,
-        "tokenizer": "tokenizer",
-        "max_batch_size": opts["max_batch_size"], "max_seq_len": opts["max_seq_len"],
-        "max_draft_len": opts["max_draft_len"], "dtype": opts["dtype"], "device": opts["device"],
-        "threads": opts["threads"], "default_num_draft_tokens": default_k,
-        "default_proposer": opts["proposer"], "draft_quantize": opts["draft_quantize"],
-        "calibration": calibration,
-        "adaptive_k": bool(opts.get("adaptive_k", False)),
-        "spec_max_concurrency": opts.get("spec_max_concurrency"),
-        "linear_kernel": "auto",          # fp32 CPU linears on oneDNN packed weights when available (kernels.py)
-        "draft_kv": opts.get("draft_kv", "own") if has_draft else "own",   # "shared": a self-draft (engine.py)
-    }
+    return EngineConfig(
+        target="target", draft="draft" if has_draft else None, draft_format=draft_format,
+        draft_quantize=opts["draft_quantize"] if has_draft else None, tokenizer="tokenizer",
+        max_batch_size=opts["max_batch_size"], max_seq_len=opts["max_seq_len"], max_draft_len=opts["max_draft_len"],
+        dtype=opts["dtype"], device=opts["device"], threads=opts["threads"],
+        draft_kv=opts.get("draft_kv", "own") if has_draft else "own", calibration=calibration, policy=policy)
 
 
-def _policy(opts: dict[str, Any], calibration: dict | None) -> tuple[bool, int | None]:
-    """(adaptive_k, spec_max_concurrency) the deployment serves with by default. Explicit options win. Else,
-    with a calibration: adaptive K unless a fixed --num-draft-tokens was given, and the measured cut-off of
-    the default proposer (no drafting above the concurrency where it stopped paying)."""
+def _policy(opts: dict[str, Any], calibration: dict | None, default_k: int) -> Policy:
+    """The policy the deployment serves with by default. Explicit options win. Else, with a calibration:
+    adaptive K unless a fixed --num-draft-tokens was given, and the measured cut-off of the default proposer (no
+    drafting above the concurrency where it stopped paying); without one: the fixed default K at any concurrency."""
     adaptive = opts.get("adaptive_k")
     if adaptive is None:
         adaptive = calibration is not None and opts["num_draft_tokens"] is None
     smc = opts.get("spec_max_concurrency")
-    if smc is None and calibration is not None:
+    measured = smc is None and calibration is not None and bool(calibration.get("crossover"))
+    if measured:
         smc = ((calibration.get("crossover") or {}).get(opts["proposer"]) or {}).get("spec_max_concurrency")
-    return bool(adaptive), smc
+    source = "build: " + ("calibrated" if calibration is not None else "not calibrated")
+    if measured:
+        source += ", measured cut-off"
+    return Policy(k=ADAPTIVE if adaptive else default_k, proposer=opts["proposer"], max_concurrency=smc,
+                  source=source)
 
 
 def _write_target(src: Path, dst: Path, dtype: str) -> dict:
@@ -229,8 +221,9 @@ def run(ctx: StageContext) -> StageResult:
         bar.update()
         has_draft = "draft" in outputs
         default_k = opts["num_draft_tokens"] if opts["num_draft_tokens"] is not None else min(4, opts["max_draft_len"])
-        (out / ENGINE_JSON).write_text(json.dumps(_engine_config(opts, has_draft=has_draft, default_k=default_k,
-                                                                 calibration=None), indent=2) + "\n")
+        _engine_config(opts, has_draft=has_draft, policy=Policy(k=default_k, proposer=opts["proposer"],
+                                                                source="build: smoke"),
+                       calibration=None).save(out)
         step("loading the engine from the build directory")
         from specbuild.engines.embedded import Engine
         engine = Engine.from_build_dir(out, device=opts["device"], threads=opts["threads"])
@@ -258,16 +251,15 @@ def run(ctx: StageContext) -> StageResult:
                            "recommended_k": cal.recommended_k,
                            "predicted_speedup": cal.predicted_speedup[cal.recommended_k]})
             bar.update()
-        adaptive, smc = _policy(opts, calibration)
-        engine_cfg = _engine_config({**opts, "adaptive_k": adaptive, "spec_max_concurrency": smc},
-                                    has_draft=has_draft, default_k=default_k, calibration=calibration)
-        (out / ENGINE_JSON).write_text(json.dumps(engine_cfg, indent=2) + "\n")
+        engine_cfg = _engine_config(opts, has_draft=has_draft, policy=_policy(opts, calibration, default_k),
+                                    calibration=calibration)
+        engine_cfg.save(out)
     finally:
         bar.close()
-    outputs["engine"] = {k: engine_cfg[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype",
-                                                    "device", "threads", "default_num_draft_tokens",
-                                                    "default_proposer", "draft_quantize", "adaptive_k",
-                                                    "spec_max_concurrency", "linear_kernel", "draft_kv")}
+    d = engine_cfg.to_dict()
+    outputs["engine"] = {**{k: d[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype", "device",
+                                             "threads", "draft_quantize", "linear_kernel", "draft_kv")},
+                         "policy": d["policy"], "policy_described": engine_cfg.policy.describe()}
     return StageResult(outputs=outputs, checks=checks, extra={"calibration": calibration} if calibration else {})
 
 
@@ -286,13 +278,21 @@ def plan(ctx: StageContext) -> list[PlanStep]:
             steps += [PlanStep("write", path=str(out / "draft" / f.name)) for f in _weights(draft_src)]
     steps.append(PlanStep("write", path=str(out / "tokenizer")))
     has_draft = draft_src is not None and (opts["proposer"] == "draft" or opts["draft_quantize"] is not None)
-    cfg = _engine_config(opts, has_draft=has_draft,
-                         default_k=opts["num_draft_tokens"] or 0, calibration=None)
-    steps.append(PlanStep("write", path=str(out / ENGINE_JSON), content=json.dumps(cfg, indent=2)))
+    default_k = opts["num_draft_tokens"] if opts["num_draft_tokens"] is not None else min(4, opts["max_draft_len"])
     steps.append(PlanStep("note", note=f"smoke generation ({SMOKE_TOKENS} tokens, speculation on == off)"))
     if opts["calibrate"]:
         steps.append(PlanStep("note", note=f"calibrate: target/draft step times, verify times for K=1.."
                                            f"{opts['max_draft_len']}, acceptance on chat/code/summarization "
                                            "prompts -> default K"))
+        if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:
+            steps.append(PlanStep("note", note="calibrate the crossover: speculation vs plain decoding at rising "
+                                               "concurrency -> the policy's max_concurrency (measured)"))
+    # The policy this run writes: with a calibration, max_concurrency is what the crossover measures.
+    policy = _policy(opts, {} if opts["calibrate"] else None, default_k)
+    cut = ("off above the concurrency where the measured crossover says drafting stops paying"
+           if opts["calibrate"] and opts.get("crossover", True) and opts.get("spec_max_concurrency") is None else None)
+    steps.append(PlanStep("note", note="default policy: " + policy.describe(cut)))
+    cfg = _engine_config(opts, has_draft=has_draft, policy=policy, calibration=None)
+    steps.append(PlanStep("write", path=str(out / ENGINE_CONFIG_FILE), content=json.dumps(cfg.to_dict(), indent=2)))
     steps.append(PlanStep("write", path=str(out / "manifest.json")))
     return steps

@@ -7,19 +7,12 @@ Measured (medians of repeated timings, so a noisy shared machine moves them less
 - ``alpha``: per-token acceptance on a built-in prompt set (chat / code / summarization), estimated from the
   per-position acceptance counts of real speculative generations (see ``estimate_alpha``).
 
-Model (Leviathan et al. 2023, with the verify cost measured instead of assumed constant). With i.i.d.
-acceptance ``a`` and K drafted tokens, one round emits on average
-
-    E[tokens per round] = 1 + a + a^2 + ... + a^K = (1 - a^(K+1)) / (1 - a)      (= K + 1 when a = 1)
-
-and costs ``K * t_draft + t_verify[K]``; plain decoding emits 1 token per ``t_target``. Hence
-
-    predicted_speedup(K) = E[tokens per round] / ((K * t_draft + t_verify[K]) / t_target)
-
-With c = t_draft / t_target and t_verify[K] = t_target this is the paper's (1 - a^(K+1)) / ((1 - a)(Kc + 1)).
-The recommended K maximises predicted_speedup over 1..max_draft_len; when no K beats 1.0 the recommendation
-is still the best K (speculation can be switched off per request with num_draft_tokens=0) and
-``worth_speculating`` is False.
+The model is the one adaptive K serves with (`adaptive.py`: Leviathan et al. 2023 with a measured verify
+cost): a round of K drafts emits E = (1 - a^(K+1)) / (1 - a) tokens on average and costs 1 + c*K + v(K) plain
+steps, c = t_draft / t_target, v(K) = t_verify[K] / t_target - 1 fitted as a line through the measured verify
+times. The recommended K maximises E / cost over 1..max_draft_len; when no K beats 1.0 the recommendation is
+still the best K and ``worth_speculating`` is False. `measure_crossover` then times speculation against plain
+decoding at rising concurrency: the last concurrency where it paid becomes the policy's ``max_concurrency``.
 """
 
 from __future__ import annotations
@@ -31,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+
+from specbuild.engines.embedded.adaptive import CostModel, cost_models, cutoff_from_speedups, predicted_speedup
 
 # Short, fixed, offline prompts: a few per traffic kind, so calibration takes seconds, not minutes.
 CALIBRATION_PROMPTS: dict[str, tuple[str, ...]] = {
@@ -49,27 +44,12 @@ CALIBRATION_PROMPTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def expected_tokens_per_round(alpha: float, k: int) -> float:
-    """E[tokens emitted per draft/verify round] = (1 - a^(k+1)) / (1 - a); k + 1 when a == 1."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def predicted_speedup(alpha: float, k: int, *, t_target: float, t_draft: float, t_verify: float) -> float:
-    """E[tokens per round] / (round cost relative to one plain target step); see the module docstring."""
-    if k == 0:
-        return 1.0
-    return expected_tokens_per_round(alpha, k) / ((k * t_draft + t_verify) / t_target)
-
-
-def best_k(alpha: float, *, t_target: float, t_draft: float,
-           t_verify: dict[int, float]) -> tuple[int, dict[int, float]]:
-    """The K in ``t_verify`` (K >= 1) with the highest predicted speedup, and the speedup of every K."""
-    table = {k: predicted_speedup(alpha, k, t_target=t_target, t_draft=t_draft, t_verify=t_verify[k])
-             for k in sorted(t_verify) if k >= 1}
-    if not table:
-        raise ValueError("t_verify needs at least one K >= 1")
+def speedup_table(alpha: float, cost: CostModel, max_k: int) -> tuple[int, dict[int, float]]:
+    """(the K in 1..max_k with the highest predicted speedup, the predicted speedup of every K), from the one
+    cost model adaptive K serves with (`adaptive.predicted_speedup`)."""
+    if max_k < 1:
+        raise ValueError("max_k must be >= 1")
+    table = {k: predicted_speedup(alpha, k, cost) for k in range(1, max_k + 1)}
     return max(table, key=lambda k: (table[k], -k)), table
 
 
@@ -126,11 +106,6 @@ def time_interleaved(probes: dict, *, reps: int = 7, warmup: int = 2) -> dict:
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def time_forward(model, *, new_tokens: int, context: int, reps: int = 7) -> float:
-    """Median seconds of one batch-1 forward (see ``forward_probe``)."""
-    return time_interleaved({0: forward_probe(model, new_tokens=new_tokens, context=context)}, reps=reps)[0]
 
 
 @dataclass(frozen=True)
@@ -230,7 +205,9 @@ def calibrate(engine, target_model, draft_model, *, proposer: str, max_draft_len
     calib_k = min(4, max_draft_len)
     alpha, by_kind, rate = measure_acceptance(engine, proposer=proposer, k=calib_k, max_tokens=max_tokens,
                                               progress=say)
-    k_best, table = best_k(alpha, t_target=t_target, t_draft=t_draft, t_verify=t_verify)
+    cost = cost_models({"t_target_s": t_target, "t_verify_s": t_verify, "t_draft_s": t_draft,
+                        "proposer": proposer})[proposer]
+    k_best, table = speedup_table(alpha, cost, max_draft_len)
     notes = []
     if table[k_best] <= 1.0:
         notes.append(f"no K in 1..{max_draft_len} is predicted to beat plain decoding here "
@@ -253,45 +230,34 @@ def crossover_batches(max_batch_size: int) -> list[int]:
     return out + [max_batch_size]
 
 
-def cutoff_from_speedups(speedup: dict[int, float], max_batch_size: int) -> tuple[int | None, int | None]:
-    """(crossover, spec_max_concurrency) from measured speedups by concurrency. The crossover is the lowest
-    concurrency where speculation was slower than plain decoding; the cut-off is the largest measured one
-    below it (0: it never paid), or None when it paid at every concurrency up to max_batch_size.
-
-    Example: {1: 1.5, 2: 1.2, 3: 1.05, 4: 0.9}, 8 -> (4, 3); {1: 1.4, 2: 1.1}, 2 -> (None, None);
-    {1: 1.3, 2: 1.1} (measuring stopped early), 8 -> (None, 2); {1: 0.8}, 8 -> (1, 0).
-    """
-    crossover = next((b for b in sorted(speedup) if speedup[b] < 1.0), None)
-    if crossover is None and speedup and max(speedup) >= max_batch_size:
-        return None, None
-    paid = [b for b in sorted(speedup) if crossover is None or b < crossover]
-    return crossover, (max(paid) if paid else 0)
-
-
 def _decode_rate(engine, prompts: list[list[int]], *, k: int, proposer: str | None, steps: int,
                  max_tokens: int) -> float:
-    """Output tok/s of len(prompts) sequences decoding together: the engine's own scheduler steps, timed after
-    the step that admits them (prefill, first token, draft prefill), for `steps` steps; then aborted."""
+    """Output tok/s of len(prompts) sequences decoding together: the engine's own scheduler steps
+    (`Engine.step`), timed after the step that admits them (prefill, first token, draft prefill), for `steps`
+    steps; then aborted."""
     from specbuild.engines.embedded import SamplingParams
 
-    sched = engine.scheduler
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    rids = [engine.submit(p, params, num_draft_tokens=k, proposer=proposer, on_output=lambda d: None)
-            for p in prompts]
-    seqs = [sched.by_id[r] for r in rids]
+    counted = {"tokens": 0, "finished": 0}
+
+    def on_output(d) -> None:
+        counted["tokens"] += len(d.token_ids)
+        counted["finished"] += d.finished
+
+    rids = [engine.submit(p, params, num_draft_tokens=k, proposer=proposer, on_output=on_output) for p in prompts]
     try:
-        sched.step()
-        n0 = sum(s.num_generated for s in seqs)
+        engine.step()
+        n0 = counted["tokens"]
         t0 = time.perf_counter()
         for _ in range(steps):
-            if all(s.finished for s in seqs):
+            if counted["finished"] == len(rids):
                 break
-            sched.step()
+            engine.step()
         dt = time.perf_counter() - t0
-        return (sum(s.num_generated for s in seqs) - n0) / dt if dt > 0 else 0.0
+        return (counted["tokens"] - n0) / dt if dt > 0 else 0.0
     finally:
         for r in rids:
-            sched.abort(r)
+            engine.abort(r)
 
 
 def measure_crossover(engine, *, proposer: str, k: int, max_batch_size: int, steps: int = 8, reps: int = 2,

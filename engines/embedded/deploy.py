@@ -27,9 +27,9 @@ from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 ENGINE_MODEL = "tensorrt_llm"
 MODELS = (ENGINE_MODEL, contract.ENSEMBLE_MODEL, contract.SPECULATIVE_MODEL)
 DEFAULTS = {"max_batch_size": 64, "device": "", "threads": 0,  # device "": as built
-            # admission limits of the engine ("" = the build's engine_config.json, else its defaults:
-            # 4 x the engine's max_batch_size waiting, 300 s); queue_timeout_s 0 = no queue-time limit
-            "max_queue_size": "", "queue_timeout_s": ""}
+            # admission limits of the engine ("" = the build's engine_config.json: 4 x the engine's
+            # max_batch_size waiting, 300 s in the queue, 600 s per request); 0 s = no limit
+            "max_queue_size": "", "queue_timeout_s": "", "request_timeout_s": ""}
 # Accepted besides the contract: GenAI-Perf and older upstream clients send `min_length` (the
 # contract's `min_tokens` under its pre-rename name); Triton refuses undeclared inputs.
 # `proposer` ("draft" | "ngram") is an embedded-only extension: it picks the proposer per request, so one
@@ -66,8 +66,9 @@ def _options(ctx: StageContext) -> dict:
         raise UsageError(f"--threads must be >= 0 (0 = torch default), got {opts['threads']}.")
     if opts["max_queue_size"] != "" and int(opts["max_queue_size"]) < 0:
         raise UsageError(f"--max-queue-size must be >= 0 (got {opts['max_queue_size']}).")
-    if opts["queue_timeout_s"] != "" and not float(opts["queue_timeout_s"]) >= 0:
-        raise UsageError(f"--queue-timeout must be >= 0 seconds (0 = no limit), got {opts['queue_timeout_s']}.")
+    for key, flag in (("queue_timeout_s", "--queue-timeout"), ("request_timeout_s", "--request-timeout")):
+        if opts[key] != "" and not float(opts[key]) >= 0:
+            raise UsageError(f"{flag} must be >= 0 seconds (0 = no limit), got {opts[key]}.")
     return opts
 
 
@@ -81,7 +82,8 @@ def render(engine_dir: Path, options: dict) -> dict[str, str]:
             common, inputs=_block("input", engine_inputs, optional=True),
             engine_dir=str(Path(engine_dir).resolve()).replace('"', '\\"'),
             device=options["device"], threads=int(options["threads"]),
-            max_queue_size=options.get("max_queue_size", ""), queue_timeout_s=options.get("queue_timeout_s", "")),
+            max_queue_size=options.get("max_queue_size", ""), queue_timeout_s=options.get("queue_timeout_s", ""),
+            request_timeout_s=options.get("request_timeout_s", ""), policy=""),
         f"{ENGINE_MODEL}/1/model.py": _template(f"{ENGINE_MODEL}/1/model.py"),
     }
     for model in (contract.ENSEMBLE_MODEL, contract.SPECULATIVE_MODEL):

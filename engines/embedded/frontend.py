@@ -17,11 +17,13 @@
 - **One registry** keyed by request id (the forwarding model's request key), **one output queue** filled by
   the engine thread (never blocked on IPC) and drained by **one sender thread**, which merges the deltas of a
   request that piled up (fewer responses, same text) and calls that request's `send(Reply)`.
-- **Metrics** are pushed: the scheduler signals after every step, the sender thread calls `metrics_sink`
-  at most every `metrics_interval_s` (and after the last step), so nothing polls.
+- **Metrics** are pushed, never polled: before the sender delivers a request's final reply it pushes
+  `metrics_sink` when anything changed, so a client that has its response reads counters that include it;
+  in between, at most every `metrics_interval_s` after an engine step (so a streamed piece is counted within
+  that bound).
 
-Error kinds of a `Reply`: "invalid" (the request; HTTP 400), "unavailable" (overload; 503), "internal"
-(the engine failed on this request only).
+Error kinds of a `Reply`: "invalid" (the request; HTTP 400), "unavailable" (overload; 503), "timeout" (the
+request ran past `request_timeout_s`; 503), "internal" (the engine failed on this request only).
 """
 
 from __future__ import annotations
@@ -195,6 +197,8 @@ class _Entry:
 
 
 _TICK, _STOP = object(), object()
+_COUNTER_OF_KIND = {"invalid": "requests_refused_invalid_total", "unavailable": "requests_refused_unavailable_total",
+                    "timeout": "requests_timed_out_total", "internal": "requests_failed_total"}
 
 
 class Frontend:
@@ -208,9 +212,11 @@ class Frontend:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._dirty = False
+        self._sink_lock = threading.Lock()    # the sink turns totals into counter increments: one at a time
         self._closed = False
-        self.counters = {"cancelled_total": 0, "refused_invalid_total": 0, "refused_unavailable_total": 0,
-                         "failed_total": 0, "max_active": 0}
+        self.counters = {"requests_cancelled_total": 0, "requests_refused_invalid_total": 0,
+                         "requests_refused_unavailable_total": 0, "requests_timed_out_total": 0,
+                         "requests_failed_total": 0, "max_active": 0}
         self._active = 0
         self._sender = threading.Thread(target=self._send_loop, name="specbuild-sender", daemon=True)
         engine.scheduler.on_step = self._on_step
@@ -235,8 +241,9 @@ class Frontend:
                 kind = "internal"
                 log.exception("request %s could not be submitted", key)
             with self._lock:
-                self.counters[f"refused_{kind}_total" if kind != "internal" else "failed_total"] += 1
-            self._dirty_tick()
+                self.counters[_COUNTER_OF_KIND.get(kind, "requests_failed_total")] += 1
+            self._dirty = True
+            self._push_metrics()                # counted before the refusal reaches the client
             send(Reply(final=True, error=str(e) if kind != "internal" else f"{type(e).__name__}: {e}", kind=kind))
 
     def submit(self, request: ParsedRequest, send: Callable[[Reply], None], key: str | None = None) -> str:
@@ -273,7 +280,7 @@ class Frontend:
             if entry.done or entry.cancelled:
                 return False
             entry.cancelled = True
-            self.counters["cancelled_total"] += 1
+            self.counters["requests_cancelled_total"] += 1
         self.engine.abort(key)
         return True
 
@@ -341,10 +348,13 @@ class Frontend:
                 return
 
     def _push_metrics(self) -> None:
+        """Publish the metrics (sender thread, or a refusing request's thread; one at a time)."""
+        self._dirty = False
         if self.metrics_sink is None:
             return
         try:
-            self.metrics_sink(self.metrics())
+            with self._sink_lock:
+                self.metrics_sink(self.metrics())
         except Exception:  # noqa: BLE001
             log.exception("metrics sink raised")
 
@@ -358,17 +368,18 @@ class Frontend:
                 self.counters["max_active"] = max(self.counters["max_active"], self._active)
             if d.finished:
                 entry.done = True
-                self._dirty = True                   # the sender's own flag: push after this batch
                 self._active -= 1
                 self._entries.pop(entry.key, None)   # leave the registry before the final reply
                 if d.error:
-                    self.counters["failed_total" if d.error_kind != "unavailable"
-                                  else "refused_unavailable_total"] += 1
+                    self.counters[_COUNTER_OF_KIND.get(d.error_kind, "requests_failed_total")] += 1
+        if d.finished:
+            self._dirty = True
+            self._push_metrics()                     # the counters include this request before its reply
         o = entry.request.options
         if d.error or d.finish_reason == "error":
             kind = d.error_kind or "internal"
             reply = Reply(final=True, kind=kind,
-                          error=d.error if kind == "unavailable" else f"engine error: {d.error or 'unknown'}")
+                          error=d.error if kind != "internal" else f"engine error: {d.error or 'unknown'}")
         elif d.finish_reason == "abort":
             reply = Reply(final=True)
         elif not o.stream:

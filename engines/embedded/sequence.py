@@ -64,7 +64,7 @@ class Sequence:
     final_sent: bool = False
     error: str | None = None
     adaptive: AcceptanceTracker | None = None   # set = adaptive K (num_draft_tokens=-1 or the engine default)
-    forced_k: bool = False          # the request sent its own K > 0: drafts even above spec_max_concurrency
+    forced_k: bool = False          # the request sent its own K > 0: drafts even above the policy's max_concurrency
     enqueued_at: float = 0.0                    # scheduler clock when it joined the waiting queue
 
     def __post_init__(self):

@@ -7,7 +7,7 @@ Derived figures:
 - tok/s                = generated tokens / (last token time - start)
 K may change from step to step (adaptive K, the concurrency cut-off, a short n-gram match): every count is of
 tokens actually drafted. `k_counts[K]` = verify steps that drafted K tokens (K = 0: a plain decode step);
-`cutoff_steps` = steps where the concurrency cut-off (`spec_max_concurrency`) switched speculation off.
+`cutoff_steps` = steps where the concurrency cut-off (the policy's `max_concurrency`) switched speculation off.
 Stage timings (prefill / propose / score / accept seconds) are summed per step; a batched step's time counts
 for every request in it. The clock is injectable for tests.
 """

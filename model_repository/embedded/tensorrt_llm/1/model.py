@@ -26,18 +26,28 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 COUNTER, GAUGE = "counter", "gauge"  # pb_utils.MetricFamily kinds are resolved in initialize()
 METRICS = (  # (frontend metrics key, metric name, kind, help)
-    ("requests_total", "specbuild_requests_total", COUNTER, "Requests finished by the embedded engine"),
+    ("requests_total", "specbuild_requests_total", COUNTER, "Requests queued in the engine (passed validation)"),
     ("generated_tokens_total", "specbuild_generated_tokens_total", COUNTER, "Tokens generated (emitted)"),
     ("draft_tokens_total", "specbuild_draft_tokens_total", COUNTER, "Draft tokens proposed (drafted)"),
     ("accepted_tokens_total", "specbuild_accepted_tokens_total", COUNTER, "Draft tokens accepted by the target"),
     ("drafts_total", "specbuild_drafts_total", COUNTER, "Speculation rounds (drafts scored by the target)"),
-    ("cancelled_total", "specbuild_requests_aborted_total", COUNTER,
+    # the same three in vLLM's schema (what vLLM, llama.cpp's server and AIPerf users read)
+    ("drafts_total", "vllm:spec_decode_num_drafts", COUNTER, "Speculation rounds that drafted at least one token"),
+    ("draft_tokens_total", "vllm:spec_decode_num_draft_tokens", COUNTER, "Draft tokens proposed"),
+    ("accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens", COUNTER, "Draft tokens accepted"),
+    ("requests_cancelled_total", "specbuild_requests_aborted_total", COUNTER,
      "Requests aborted because the client cancelled or disconnected"),
-    ("refused_invalid_total", "specbuild_requests_refused_invalid_total", COUNTER,
+    ("requests_refused_invalid_total", "specbuild_requests_refused_invalid_total", COUNTER,
      "Requests refused as invalid (HTTP 400)"),
-    ("refused_unavailable_total", "specbuild_requests_refused_unavailable_total", COUNTER,
+    ("requests_refused_unavailable_total", "specbuild_requests_refused_unavailable_total", COUNTER,
      "Requests refused for overload: queue full or waited past queue_timeout_s (HTTP 503)"),
-    ("failed_total", "specbuild_requests_failed_total", COUNTER,
+    ("queue_full_total", "specbuild_queue_full_total", COUNTER,
+     "Of the overload refusals: the waiting queue was full (max_queue_size)"),
+    ("queue_expired_total", "specbuild_queue_expired_total", COUNTER,
+     "Of the overload refusals: waited past queue_timeout_s for a slot"),
+    ("requests_timed_out_total", "specbuild_requests_timed_out_total", COUNTER,
+     "Requests ended at request_timeout_s (the bound on requests whose client vanished unheard)"),
+    ("requests_failed_total", "specbuild_requests_failed_total", COUNTER,
      "Requests the engine failed on (each alone; the others kept running)"),
     ("acceptance_rate", "specbuild_acceptance_rate", GAUGE, "Accepted / drafted tokens since the model was loaded"),
     ("running", "specbuild_running_requests", GAUGE, "Requests in the running batch"),
@@ -48,14 +58,17 @@ METRICS = (  # (frontend metrics key, metric name, kind, help)
     ("slots_free", "specbuild_slots_free", GAUGE, "Free batch slots (all of them when idle: none leaked)"),
     ("live", "specbuild_live_requests", GAUGE, "Requests registered and not yet answered in full"),
     ("spec_cutoff_steps_total", "specbuild_spec_cutoff_steps_total", COUNTER,
-     "Steps with more sequences than spec_max_concurrency (no drafting by default)"),
+     "Steps with more sequences than the policy's max_concurrency (no drafting by default)"),
     ("draft_cost_ratio", "specbuild_draft_cost_ratio", GAUGE,
      "c = draft step / plain target step that adaptive K prices K with, at the latest step's concurrency "
      "(measured while serving, else the build's calibration)"),
     ("target_step_ms", "specbuild_target_step_ms", GAUGE,
      "Plain target step measured while serving at the latest step's concurrency (median, ms; 0 = none yet)"),
 )
-ERROR_CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "internal": "INTERNAL"}
+PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each draft position (label position, 0-based)")
+ERROR_CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "timeout": "UNAVAILABLE",
+               "internal": "INTERNAL"}
 
 
 def error_response(message, kind="internal"):
@@ -75,14 +88,23 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
         self.engine = Engine.from_build_dir(params["engine_dir"], device=params.get("device") or None,
                                             threads=int(params.get("threads") or 0) or None)
-        changes = _config_changes(params)  # `specbuild tune --apply` defaults, deploy's admission limits
-        if changes:
-            self.engine.configure(**changes)
-            pb_utils.Logger.log_info(f"specbuild: engine settings from config.pbtxt: {changes}")
+        from specbuild.engines.embedded.config import Policy
+
+        policy = params.get("policy", "").strip()     # `specbuild tune --apply` (else the build's policy)
+        if policy:
+            self.engine.set_policy(Policy.from_dict(json.loads(policy)))
+        admission = _admission(params)                # deploy's admission limits ("" = the build's)
+        if admission:
+            self.engine.set_admission(**admission)
+        pb_utils.Logger.log_info(f"specbuild: speculation policy {self.engine.config.policy.describe()} "
+                                 f"({self.engine.config.policy.source}); admission changes {admission or 'none'}")
         limits = {k: int(params[k]) for k in ("max_prompt_bytes", "max_stop_words", "max_stop_word_bytes")
                   if params.get(k, "").strip()}
         self.families = {}
-        self.metrics = {key: self._metric(name, kind, doc) for key, name, kind, doc in METRICS}
+        self.metrics = {name: self._metric(name, kind, doc) for _, name, kind, doc in METRICS}
+        self.per_pos_family = pb_utils.MetricFamily(name=PER_POSITION[0], description=PER_POSITION[1],
+                                                    kind=pb_utils.MetricFamily.COUNTER)
+        self.per_pos = []   # Metric per draft position, created as positions appear
         self.seen = {}
         self.frontend = Frontend(self.engine, RequestLimits(**limits), metrics_sink=self._publish)
         self.frontend.start()
@@ -90,7 +112,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"specbuild engine loaded from {params['engine_dir']} (max_batch_size="
                                  f"{cfg.max_batch_size}, max_seq_len={cfg.max_seq_len}, max_draft_len="
                                  f"{cfg.max_draft_len}, max_queue_size={cfg.queue_limit}, queue_timeout_s="
-                                 f"{cfg.queue_timeout_s})")
+                                 f"{cfg.queue_timeout_s}, request_timeout_s={cfg.request_timeout_s})")
 
     def _metric(self, name, kind, doc):
         fam = pb_utils.MetricFamily(name=name, description=doc, kind=getattr(pb_utils.MetricFamily, kind.upper()))
@@ -98,17 +120,25 @@ class TritonPythonModel:
         return fam.Metric(labels={})
 
     def _publish(self, m):
-        """Called by the frontend's sender thread (pushed after engine steps, rate-limited)."""
+        """Called by the frontend, one call at a time: before every final reply, and after engine steps
+        (rate-limited). Counters are totals in `m`; each metric is incremented by what it has not seen yet."""
         drafted = m.get("draft_tokens_total", 0)
         m["acceptance_rate"] = m.get("accepted_tokens_total", 0) / drafted if drafted else 0.0
-        for key, _, kind, _ in METRICS:
+        for key, name, kind, _ in METRICS:
             value = m.get(key, 0)
             if kind == COUNTER:
-                if value > self.seen.get(key, 0):
-                    self.metrics[key].increment(value - self.seen.get(key, 0))
-                    self.seen[key] = value
+                self._advance(name, self.metrics[name], value)
             else:
-                self.metrics[key].set(float(value))
+                self.metrics[name].set(float(value))
+        for i, value in enumerate(m.get("accepted_per_pos", [])):
+            while len(self.per_pos) <= i:
+                self.per_pos.append(self.per_pos_family.Metric(labels={"position": str(len(self.per_pos))}))
+            self._advance(f"pos{i}", self.per_pos[i], value)
+
+    def _advance(self, key, metric, value):
+        if value > self.seen.get(key, 0):
+            metric.increment(value - self.seen.get(key, 0))
+            self.seen[key] = value
 
     def execute(self, requests):
         for request in requests:
@@ -136,15 +166,17 @@ class TritonPythonModel:
             pb_utils.Logger.log_info("specbuild engine stopped")
 
 
-def _config_changes(params):
-    changes = {}
-    for key, conv in (("default_num_draft_tokens", int), ("default_proposer", str.strip),
-                      ("max_queue_size", int), ("queue_timeout_s", float)):
+def _admission(params):
+    """Admission limits from config.pbtxt ("" = keep the build's): max_queue_size (requests), queue_timeout_s
+    and request_timeout_s (seconds; 0 = no limit)."""
+    out = {}
+    if params.get("max_queue_size", "").strip():
+        out["max_queue_size"] = int(params["max_queue_size"])
+    for key in ("queue_timeout_s", "request_timeout_s"):
         if params.get(key, "").strip():
-            changes[key] = conv(params[key])
-    if changes.get("queue_timeout_s", 1) <= 0:
-        changes["queue_timeout_s"] = None      # 0 in config.pbtxt: no queue-time limit
-    return changes
+            value = float(params[key])
+            out[key] = value if value > 0 else None
+    return out
 
 
 def _send(sender, reply):

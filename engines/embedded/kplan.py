@@ -1,0 +1,100 @@
+"""K per sequence per step: the policy's concurrency cut-off, adaptive K, one K per proposer batch, and the plain
+steps that keep the online cost baseline measured.
+
+For each running sequence, in this order:
+1. K = 0 when the sequence asked for none, or when more than the policy's `max_concurrency` sequences run and the
+   sequence did not force its K (the cut-off: at high batch a target step is compute-bound, drafting stops paying);
+2. never more than max_tokens leaves room for (a round emits at most K + 1 tokens);
+3. adaptive sequences: the K that maximizes the predicted speedup from their own acceptance and the cost model
+   (`adaptive.py`); several adaptive sequences of one proposer in a step share one batch-optimal K, since a
+   batched step drafts as often as its largest K;
+4. while sequences keep drafting, one step in `OnlineCosts.explore_every` runs plain so that speculation is
+   always judged against what plain decoding costs now.
+"""
+
+from __future__ import annotations
+
+from specbuild.engines.embedded.adaptive import CostModel, OnlineCosts, choose_batch_k, cost_models, prior_alphas
+from specbuild.engines.embedded.config import Policy
+from specbuild.engines.embedded.sequence import Sequence
+
+
+class KPlanner:
+    def __init__(self, *, calibration: dict | None, online_costs: bool):
+        self.costs: dict[str, CostModel] = cost_models(calibration)     # proposer -> the build's cost model
+        self.online = OnlineCosts() if online_costs else None           # step costs measured while serving
+        self.alpha_prior = prior_alphas(calibration)                     # proposer -> a new sequence's alpha_hat
+        self.cutoff_steps_total = 0
+        self.last_n = 0                                                  # sequences in the latest step
+
+    def set_calibration(self, calibration: dict | None) -> None:
+        self.costs = cost_models(calibration)
+        for prop, a in prior_alphas(calibration).items():
+            if (calibration or {}).get("proposer") == prop and calibration.get("alpha") is not None:
+                self.alpha_prior[prop] = a
+
+    def cost(self, proposer: str, n: int) -> CostModel:
+        """The cost model adaptive K uses at n sequences: measured online once there is enough, else the build's."""
+        base = self.costs[proposer]
+        return self.online.model(n, base) if self.online is not None else base
+
+    def plan(self, seqs: list[Sequence], policy: Policy) -> tuple[list[int], bool]:
+        """-> (K per sequence, whether the cut-off applies to this step)."""
+        n = self.last_n = len(seqs)
+        cutoff = policy.max_concurrency is not None and n > policy.max_concurrency
+        self.cutoff_steps_total += cutoff
+        explore = self.online is not None and not any(s.forced_k for s in seqs) and self.online.wants_plain(n)
+        costs = {p: self.cost(p, n) for p in self.costs}
+        ks = [self._k(s, cutoff, costs, explore) for s in seqs]
+        self._share(seqs, ks, costs)
+        return ks, cutoff
+
+    @staticmethod
+    def _cap(s: Sequence) -> int:
+        return max(0, min(s.num_draft_tokens, s.params.max_tokens - s.num_generated - 1))
+
+    def _k(self, s: Sequence, cutoff: bool, costs: dict[str, CostModel], explore: bool) -> int:
+        if (cutoff and not s.forced_k) or s.num_draft_tokens <= 0:
+            return 0
+        k = self._cap(s)
+        if s.adaptive is not None:
+            k = s.adaptive.next_k(costs[s.proposer], k)
+            if explore and k > 0:                    # a plain step to keep the online baseline measured
+                k = 0
+                s.adaptive.history[-1] = 0
+        return k
+
+    def _share(self, seqs: list[Sequence], ks: list[int], costs: dict[str, CostModel]) -> None:
+        for proposer, cost in costs.items():
+            idx = [i for i, s in enumerate(seqs) if s.adaptive is not None and s.proposer == proposer
+                   and s.num_draft_tokens > 0]
+            if len(idx) < 2 or not any(ks[i] for i in idx):
+                continue                              # one sequence, or every one chose (or was cut off to) 0
+            caps = [self._cap(seqs[i]) for i in idx]
+            k = choose_batch_k([seqs[i].adaptive.alpha for i in idx], caps, cost)
+            for i, cap in zip(idx, caps):
+                ks[i] = min(k, cap)
+                seqs[i].adaptive.history[-1:] = [ks[i]]
+
+    def observe(self, n: int, seqs: list[Sequence], proposals: list, t_propose: float, t_score: float) -> None:
+        """A finished round's timings (online costs): draft steps are the longest draft-model proposal."""
+        if self.online is None:
+            return
+        drafted = [len(p.token_ids) for s, p in zip(seqs, proposals) if p is not None and s.proposer == "draft"]
+        sent = [len(p.token_ids) for p in proposals if p is not None]
+        self.online.observe(n, max(sent, default=0), max(drafted, default=0), t_propose, t_score)
+
+    def fold(self, s: Sequence) -> None:
+        """A finished adaptive sequence moves its proposer's starting estimate toward its own acceptance."""
+        if s.adaptive is not None:
+            self.alpha_prior[s.proposer] = s.adaptive.fold_into(self.alpha_prior[s.proposer])
+
+    def measured_costs(self, has_draft: bool) -> dict:
+        """What adaptive K prices the draft with now, at the latest step's concurrency: c and the plain step (ms),
+        measured while serving (online) or else the build's calibration."""
+        n = self.last_n or 1
+        model = self.cost("draft", n) if has_draft else None
+        plain = self.online.plain_ms(n) if self.online is not None else None
+        return {"draft_cost_ratio": model.cost_ratio if model is not None else 0.0,
+                "draft_cost_source": model.source if model is not None else "none",
+                "target_step_ms": plain or 0.0, "cost_concurrency": n}

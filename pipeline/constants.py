@@ -1,0 +1,28 @@
+"""Names shared by the stages, the engines and the CLI, stated once (no torch or transformers imports here).
+
+Each constant is the one place its values live; modules import it instead of restating it.
+"""
+
+from __future__ import annotations
+
+# Checkpoint dtypes every stage accepts (convert casts, build keeps, the embedded engine loads).
+DTYPES = ("float32", "float16", "bfloat16")
+
+# Who drafts the K tokens the target verifies: a draft model, or prompt lookup (n-gram) over the request.
+PROPOSERS = ("draft", "ngram")
+
+# Draft quantizations `build --draft-quantize` offers (embedded backend); see engines/embedded/quant.py.
+DRAFT_QUANTIZATIONS = ("int8",)
+
+# Tokenizer files copied beside a checkpoint or an engine: the chat template included, so that clients
+# (loadtest, verify) render chat prompts with the model's own template.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+# The embedded engine's decoder families: HF `model_type` values and the `architectures` names behind them.
+EMBEDDED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2", "smollm3")
+EMBEDDED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # SmolLM2 is Llama
+
+# The runtime config an embedded engine directory holds (read and written only by engines/embedded/config.py).
+ENGINE_CONFIG_FILE = "engine_config.json"
