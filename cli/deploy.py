@@ -35,12 +35,22 @@ def _trtllm_options(f):
 @click.command("deploy")
 @workdir_option
 @backend_option
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Triton max_batch_size of the client-facing models.")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
+              help="Triton max_batch_size of the client-facing models. Default: 64 (embedded); the engines' "
+                   "(trtllm: fixed at build).")
 @click.option("--device", default=None,
               help="Where the embedded engine runs: cpu, cuda or cuda:N (embedded only). Default: as built.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="torch CPU threads of the engine (0 = torch's default; embedded only).")
+@click.option("--max-queue-size", type=click.IntRange(min=0), default=None,
+              help="Requests that may wait for a batch slot before new ones get 503 (embedded only). "
+                   "Default: the build's, 4 x its max batch size.")
+@click.option("--queue-timeout", type=click.FloatRange(min=0), default=None,
+              help="Seconds a request may wait for a slot before it gets 503; 0 = no limit (embedded only). "
+                   "Default: the build's, 300.")
+@click.option("--request-timeout", type=click.FloatRange(min=0), default=None,
+              help="Seconds a request may live (queue + generation) before it ends with 503: frees the slots of "
+                   "clients that vanished unheard; 0 = no limit (embedded only). Default: the build's, 600.")
 @_trtllm_options
 @click.option("--kubernetes", is_flag=True, default=False,
               help="Also write WORKDIR/kubernetes/ (Deployment with health probes and Prometheus annotations, "
@@ -55,8 +65,9 @@ def _trtllm_options(f):
 @rehearse_option
 @dry_run_option
 @force_option
-def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logits, kubernetes, image, replicas, pvc,
-                   trtllm_generation, rehearse, dry_run, force, **trtllm):
+def deploy_command(workdir, backend, max_batch_size, device, threads, max_queue_size, queue_timeout, request_timeout,
+                   fast_logits, kubernetes, image, replicas, pvc, trtllm_generation, rehearse, dry_run, force,
+                   **trtllm):
     """Package WORKDIR/engines/ into a Triton model repository in WORKDIR/model_repository/.
 
     The client-facing models are `ensemble` and `tensorrt_llm_bls` (upstream names and
@@ -67,6 +78,7 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
     Example:
       specbuild deploy
       specbuild deploy --workdir /data/work --threads 8
+      specbuild deploy --max-queue-size 64 --queue-timeout 30 --request-timeout 120
       specbuild deploy --dry-run
       specbuild deploy --backend trtllm --target-gpu-ids 0 --draft-gpu-ids 0 --fast-logits --dry-run
       specbuild deploy --backend trtllm --rehearse     # then: specbuild serve --rehearse --backend-models-dir DIR
@@ -87,6 +99,12 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, fast_logit
     if extra and backend != "trtllm":
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         raise UsageError(f"{flags} apply to --backend trtllm only.")
+    admission = {k: v for k, v in (("max_queue_size", max_queue_size), ("queue_timeout_s", queue_timeout),
+                                   ("request_timeout_s", request_timeout)) if v is not None}
+    if admission and backend != "embedded":
+        raise UsageError("--max-queue-size, --queue-timeout and --request-timeout apply to --backend embedded only "
+                         "(TensorRT-LLM's queue is configured by its own model config).")
+    extra.update(admission)
     result = deploy(workdir=workdir, backend=backend, max_batch_size=max_batch_size, device=device,
                     threads=threads, force=force, dry_run=dry_run, extra_options=extra or None,
                     progress=lambda m: click.echo(m, err=True))

@@ -19,10 +19,8 @@ from typing import Any, Callable
 
 from specbuild.pipeline.errors import UsageError
 from specbuild.pipeline.stage import BACKENDS, PlanStep, run_stage
+from specbuild.pipeline.constants import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS  # noqa: F401 (the CLI imports them here)
 
-DTYPES = ("float32", "float16", "bfloat16")
-PROPOSERS = ("draft", "ngram")
-DRAFT_QUANTIZATIONS = ("int8",)
 MAX_DRAFT_LEN_LIMIT = 32
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from specbuild.pipeline.sources import PICKLE_SUFFIXES, model_files
+from specbuild.pipeline.constants import EMBEDDED_ARCHITECTURES
 
-EMBEDDED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")  # SmolLM2 is Llama
 EMBEDDED_ROPE_TYPES = ("default", "linear", "llama3")
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 

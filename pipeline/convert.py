@@ -26,8 +26,8 @@ from specbuild.pipeline.manifest import (MANIFEST, HashCache, Manifest, ensure_w
                                 read_manifest)
 from specbuild.pipeline.sources import ResolvedSource, resolve
 from specbuild.pipeline.stage import BACKENDS, PlanStep, StageOutcome, run_stage, stage_dir
+from specbuild.pipeline.constants import DTYPES  # noqa: F401 (the CLI imports it here)
 
-DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8_wo", "int4_wo", "fp8")
 
 

@@ -33,13 +33,12 @@ from typing import Callable, Iterator
 
 from specbuild.pipeline.errors import SourceError
 from specbuild.pipeline.manifest import HashCache
+from specbuild.pipeline.constants import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "*.txt", "*.jinja"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MARKER = ".specbuild-source.json"

@@ -118,6 +118,20 @@ def test_deploy_cli(built):
     assert "models: tensorrt_llm, ensemble, tensorrt_llm_bls" in res.output
     res = runner.invoke(cli, ["deploy", "--workdir", str(built), "--device", "tpu"])
     assert res.exit_code == 2 and "--device" in res.output
+    # admission limits: the flags the engine's messages name exist, and land in the engine model's parameters
+    res = runner.invoke(cli, ["deploy", "--workdir", str(built), "--max-queue-size", "5", "--queue-timeout", "30",
+                              "--request-timeout", "0"])
+    assert res.exit_code == 0, res.output
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = text_format.Parse((built / "model_repository" / "tensorrt_llm" / "config.pbtxt").read_text(),
+                            model_config_pb2.ModelConfig())
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert (params["max_queue_size"], params["queue_timeout_s"], params["request_timeout_s"]) == ("5", "30.0", "0.0")
+    res = runner.invoke(cli, ["deploy", "--workdir", str(built), "--backend", "trtllm", "--request-timeout", "9",
+                              "--dry-run"])
+    assert res.exit_code == 2 and "apply to --backend embedded only" in res.output
 
 
 # ---- perf-metric outputs of the engine model (request parsing: tests/test_frontend.py) -----------------

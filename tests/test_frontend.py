@@ -229,3 +229,36 @@ def test_metrics_are_pushed_and_close_stops_threads(eng):
     late = Sink()
     fe.handle(good(PROMPTS[0]), late, "late")
     assert late.kind == "unavailable" and "shutting down" in late.error
+
+
+def test_request_timeout_frees_the_slots_of_vanished_clients(tiny_llama, tiny_llama_draft):
+    """Two non-streaming clients gave up without the server hearing of it (tritonserver 2.51 never reports a
+    dropped HTTP /generate, server#7077) and hold every slot: at request_timeout_s they are ended with a
+    "timeout" error and a waiting request gets a slot."""
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=2, max_seq_len=256, max_draft_len=4,
+                                  request_timeout_s=30.0)
+    now = [0.0]
+    eng.scheduler.clock = lambda: now[0]
+    fe = Frontend(eng)
+    fe.start(run_engine=False)
+    gone = [Sink(), Sink()]
+    for i, sink in enumerate(gone):
+        fe.handle(good(PROMPTS[i], max_tokens=200, min_tokens=200), sink, f"gone{i}")
+    eng.scheduler.step()
+    now[0] = 20.0
+    waiting = Sink()
+    fe.handle(good(PROMPTS[2]), waiting, "new")
+    eng.scheduler.step()
+    assert eng.metrics()["slots_free"] == 0 and eng.metrics()["waiting"] == 1 and not waiting.done.is_set()
+    now[0] = 31.0                                   # the first two have lived 31 s > 30 s; "new" 11 s
+    for _ in range(100):
+        if waiting.done.is_set():
+            break
+        eng.scheduler.step()
+    for sink in gone:
+        assert sink.done.wait(WAIT) and sink.kind == "timeout" and "request_timeout_s=30" in sink.error
+    assert waiting.done.wait(WAIT) and waiting.error is None and waiting.text
+    m = fe.metrics()
+    assert m["requests_timed_out_total"] == 2 and m["request_timeouts_total"] == 2 and m["slots_free"] == 2
+    assert fe.live() == 0
+    fe.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specbuild.engines.trtllm.checks import check_vocab, speculative_mode, validate_engine_config, validate_request
+from specbuild.engines.trtllm.checks import check_vocab, speculative_mode, validate_engine_config
 from specbuild.engines.trtllm.settings import settings_from
 from specbuild.engines.trtllm.versions import ENGINE, LLMAPI, resolve, supported_matrix
 from specbuild.pipeline.errors import CheckFailed, UsageError
@@ -45,21 +45,6 @@ def test_speculative_mode_reads_flags_and_names():
     assert speculative_mode({"build_config": {"speculative_decoding_mode": "DRAFT_TOKENS_EXTERNAL"}}) == \
         "draft_tokens_external"
     assert speculative_mode({}) == "none"
-
-
-def test_request_above_built_max_draft_len_is_refused():
-    validate_request({"text_input": "hi", "num_draft_tokens": 4}, built_max_draft_len=4)
-    with pytest.raises(UsageError, match="num_draft_tokens=56 is above the engine's max_draft_len 4; send at most 4"):
-        validate_request({"text_input": "hi", "num_draft_tokens": [56]}, built_max_draft_len=4)
-
-
-def test_streaming_on_the_bls_draft_target_path_is_refused():
-    with pytest.raises(UsageError, match="stream=true is not supported.*send stream=false"):
-        validate_request({"text_input": "hi", "num_draft_tokens": 3, "stream": True}, built_max_draft_len=4)
-    # speculation off (0) may stream from the ensemble
-    validate_request({"text_input": "hi", "num_draft_tokens": 0, "stream": True}, built_max_draft_len=4)
-    with pytest.raises(UsageError, match="one request per call"):
-        validate_request({"text_input": ["a", "b"], "num_draft_tokens": 2}, built_max_draft_len=4)
 
 
 def test_vocab_mismatch_names_the_fix():

@@ -220,4 +220,5 @@ def test_dry_runs_use_what_convert_recorded_and_say_what_they_cannot_know(tmp_pa
     r = CliRunner().invoke(cli, ["deploy", "--backend", "trtllm", "--workdir", str(work), "--dry-run"])
     assert r.exit_code == 0, r.output
     assert 'key: "gpu_device_ids" value: { string_value: "0,1" }' in r.output
+    assert "ignored --max-batch-size" not in r.output         # no flag given: nothing to ignore
     assert "options recorded by convert" in r.output

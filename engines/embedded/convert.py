@@ -27,8 +27,8 @@ from specbuild.pipeline.errors import CheckFailed, UsageError
 from specbuild.pipeline.manifest import sha256_file
 from specbuild.pipeline.sources import TOKENIZER_FILES, model_files
 from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
+from specbuild.pipeline.constants import DTYPES
 
-DTYPES = ("float32", "float16", "bfloat16")
 _RESIZABLE = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 
 
@@ -52,7 +52,7 @@ def _weight_names(src: Path) -> list[str]:
 
 
 def _side_files(src: Path) -> list[str]:
-    return [n for n in ("generation_config.json", *TOKENIZER_FILES) if (src / n).is_file()]
+    return [n for n in TOKENIZER_FILES if (src / n).is_file()]
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbuild.pipeline.errors import SourceError
+from specbuild.pipeline.constants import EMBEDDED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm", "smollm2", "smollm3")
 
 
 @dataclass(frozen=True)
@@ -259,16 +259,6 @@ class CachedRunner:
 
     def __init__(self, model: Transformer, cache, device):
         self.model, self.cache, self.device = model, cache, device
-
-    @torch.inference_mode()
-    def prefill(self, seqs) -> None:
-        """Cache every prompt but its last token (the next step feeds it); one ragged forward for all."""
-        todo = [s for s in seqs if len(s.tokens) > 1]
-        if todo:
-            ragged_forward(self.model, self.cache, [s.slot for s in todo], [0] * len(todo),
-                           [s.tokens[:-1] for s in todo], "none", self.device)
-        for s in seqs:
-            setattr(s, self.length_attr, len(s.tokens) - 1)
 
     @torch.inference_mode()
     def feed(self, seqs, ends: list[int], want_logits: bool = False):

@@ -52,9 +52,6 @@ class NgramProposer:
                 return Proposal(best)
         return Proposal([])
 
-    def propose(self, seqs, ks: list[int]) -> list[Proposal]:
-        return [self.propose_one(s.tokens, k) for s, k in zip(seqs, ks)]
-
 
 class DraftModelProposer(CachedRunner):
     """`shares_target_kv`: the cache is the target's (a self-draft, engine `draft_kv="shared"`): the draft reads the
@@ -115,9 +112,3 @@ class DraftModelProposer(CachedRunner):
             q = processed_probs(logits[j:j + 1], s.params)            # [1, V]
             drafted[i].append(int(sample(q, s.generator)[0]))
             probs[i].append(q[0])
-
-    @staticmethod
-    def synced_len(n_before: int, k: int, num_accepted: int) -> int:
-        """Draft cache length after a step: the real prefix plus the accepted drafts it already holds
-        (d1..d_{k-1} were fed; d_k never was)."""
-        return n_before - 1 + 1 + min(num_accepted, k - 1) if k > 0 else n_before - 1

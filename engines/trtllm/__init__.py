@@ -17,8 +17,3 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "LLaMAForCausalLM",
     "Qwen2ForCausalLM": "QWenForCausalLM",
 }
-
-VERSION_MATRIX = {
-    "engine": {"min": "0.10.0", "below": "1.3.0", "pinned": DEFAULT_VERSION, "containers": dict(ENGINE_CONTAINERS)},
-    "llmapi": {"min": "1.0.0", "below": "1.3.0", "container": "nvcr.io/nvidia/tensorrt-llm/release:<version>"},
-}

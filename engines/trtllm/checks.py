@@ -1,6 +1,6 @@
 """Pre-flight refusals for the TensorRT-LLM draft-target path, callable by the server and client side.
 
-Each check raises CheckFailed (or UsageError for a bad request) whose message names the fix.
+Each check raises CheckFailed whose message names the fix.
 Sources: shared/reference/TRTLLM_TRITON.md §1.4, §2.4 (limits), §5 (issues #473, #676, #2789, #3615).
 """
 
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from specbuild.pipeline.errors import CheckFailed, UsageError
+from specbuild.pipeline.errors import CheckFailed
 
 # SpeculativeDecodingMode bit flags as stored (an integer) in the engine's build_config.
 SPEC_MODE_BITS = {1: "none", 2: "draft_tokens_external", 4: "medusa", 8: "lookahead_decoding",
@@ -84,37 +84,3 @@ def check_vocab(target_config: Mapping[str, Any], draft_config: Mapping[str, Any
                           "needs identical vocabularies (buffer-size errors otherwise); pick a draft from the same "
                           "family, or pad the draft's embedding and lm_head to the target's vocab_size.")
     return int(tv)
-
-
-def validate_request(request: Mapping[str, Any], *, built_max_draft_len: int, bls_speculative: bool = True) -> None:
-    """Refuse a request the BLS draft-target path cannot serve, before it reaches the server.
-
-    `request` uses the client-contract names (specbuild.pipeline.contract): num_draft_tokens, stream, text_input...
-    """
-    k = _scalar(request.get("num_draft_tokens", 0))
-    if k is not None and int(k) > built_max_draft_len:
-        raise UsageError(f"num_draft_tokens={int(k)} is above the engine's max_draft_len {built_max_draft_len}; "
-                         f"send at most {built_max_draft_len}, or rebuild with --max-draft-len {int(k)}.")
-    if k is not None and int(k) < 0:
-        raise UsageError(f"num_draft_tokens must be >= 0 (0 turns speculation off), got {int(k)}.")
-    if bls_speculative and k and _truthy(request.get("stream", False)):
-        raise UsageError("stream=true is not supported on the TensorRT-LLM BLS draft-target path (tensorrt_llm_bls "
-                         "raises 'streaming is not supported with speculative decoding'); send stream=false, or "
-                         "num_draft_tokens=0, or stream from the `ensemble` model without speculation.")
-    text = request.get("text_input")
-    if bls_speculative and k and isinstance(text, (list, tuple)) and len(text) > 1:
-        raise UsageError("the BLS draft-target path serves one request per call (batch size 1); send one "
-                         "text_input per request.")
-
-
-def _scalar(value: Any) -> Any:
-    while isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
-    return value
-
-
-def _truthy(value: Any) -> bool:
-    value = _scalar(value)
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes")
-    return bool(value)

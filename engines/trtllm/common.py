@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
+from specbuild.pipeline.constants import TOKENIZER_FILES as _TOKENIZER_FILES
 from specbuild.pipeline.errors import CheckFailed, SourceError, UsageError
 
 from specbuild.engines.trtllm import SUPPORTED_ARCHITECTURES
@@ -14,8 +15,9 @@ from specbuild.engines.trtllm.settings import Settings, settings_from
 from specbuild.engines.trtllm.versions import detect_installed
 
 ROLES = ("target", "draft")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "config.json")
+# upstream's pre/postprocessing load the tokenizer with AutoTokenizer, which also reads config.json; the chat
+# template goes along so that load tests render chat prompts with it
+TOKENIZER_FILES = _TOKENIZER_FILES + ("config.json",)
 
 
 def stage_settings(options: Mapping[str, Any]) -> Settings:

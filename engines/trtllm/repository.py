@@ -109,18 +109,6 @@ def engine_values(s: Settings, role: str, engine_dir: Path) -> dict[str, Any]:
     return values
 
 
-# Kept for callers of the old name: the parameters we set, keyed by parameter (not placeholder) name.
-def engine_parameters(s: Settings, role: str, engine_dir: Path) -> dict[str, Any]:
-    family = s.recipe.backend_family or upstream_facts.nearest_family(s.recipe.trtllm_version)
-    values = engine_values(s, role, engine_dir)
-    out = {}
-    for key, tmpl in upstream_facts.model_facts(family, "tensorrt_llm")["parameters"].items():
-        m = PLACEHOLDER.fullmatch(tmpl)
-        if m and m.group(1) in values:
-            out[key] = values[m.group(1)]
-    return out
-
-
 def family_of_settings(s: Settings) -> str:
     if not s.recipe.backend_family:
         raise SpecbuildError(f"internal error: no backend family for TensorRT-LLM {s.recipe.trtllm_version}")
