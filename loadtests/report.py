@@ -188,7 +188,7 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    from specbuild.loadtests.sweep_report import curves_markdown, speculation_markdown
+    from specbuild.loadtests.sweep_report import curves_markdown, load_label as _load, speculation_markdown
 
     api = report.get("api", "kserve")
     lines = ["# Load test report", "", f"- target: `{report['url']}` model `{report['model']}` "
@@ -213,9 +213,7 @@ def render_markdown(report: dict[str, Any]) -> str:
               "e2e p50/p95 ms | tok/s | acceptance | client CPU (cores) |", "|" + "---|" * 13]
     for c in report["cells"]:
         pair = lambda d: f"{_f(_p(d, 'p50'))} / {_f(_p(d, 'p95'))}"  # noqa: E731
-        load = (f"{c['sweep']['param']}={c['sweep']['value']:g}" if c.get("sweep") else
-                f"rate={c['request_rate']:g}/s" if c.get("request_rate") else f"users={c.get('users')}")
-        lines.append(f"| {c['profile']} | {c['setting']} | {load} | {c.get('status', 'ok')} | {c['requests']} | "
+        lines.append(f"| {c['profile']} | {c['setting']} | {_load(c)} | {c.get('status', 'ok')} | {c['requests']} | "
                      f"{c['failures']} | {pair(c['ttft_ms'])} | "
                      f"{pair(c['itl_ms'])} | {pair(c['tpot_ms'])} | {pair(c['e2e_ms'])} | "
                      f"{_f(c['tokens_per_s'])} | {_f(c['acceptance']['responses']['acceptance_rate'], '{:.2f}')} | "
@@ -233,11 +231,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{_f(g['mean_accepted_length'], '{:.2f}')} |")
     lines += speculation_markdown(report["cells"])
     lines += ["", "## Measurement quality", "",
-              "| profile | setting | harness overhead p50 ms | zero-work probe p50 ms | Locust CSV E2E median | "
-              "cross-check TTFT / e2e (independent / Locust) |", "|" + "---|" * 6]
+              "| profile | setting | load | harness overhead p50 ms | zero-work probe p50 ms | Locust CSV E2E median | "
+              "cross-check TTFT / e2e (independent / Locust) |", "|" + "---|" * 7]
     for c in report["cells"]:
         cc = c.get("cross_check") or {}
-        lines.append(f"| {c['profile']} | {c['setting']} | {_f(_p(c['harness']['overhead_ms'], 'p50'), '{:.3f}')} | "
+        lines.append(f"| {c['profile']} | {c['setting']} | {_load(c)} | "
+                     f"{_f(_p(c['harness']['overhead_ms'], 'p50'), '{:.3f}')} | "
                      f"{_f(_p(c['harness']['zero_work_probe_ms'], 'p50'), '{:.2f}')} | "
                      f"{_f(c['locust'].get('E2E', {}).get('median_ms'))} | "
                      f"{_f(cc.get('ttft_ratio'), '{:.3f}')} / {_f(cc.get('e2e_ratio'), '{:.3f}')} |")

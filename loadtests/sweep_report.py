@@ -15,7 +15,7 @@ def _f(x: Any, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def _load(cell: dict[str, Any]) -> str:
+def load_label(cell: dict[str, Any]) -> str:
     sweep = cell.get("sweep") or {}
     if sweep:
         return f"{sweep['param']}={sweep['value']:g}"
@@ -66,7 +66,7 @@ def speculation_markdown(cells: list[dict[str, Any]]) -> list[str]:
         resp = (c.get("acceptance") or {}).get("responses") or {}
         if sm.get("drafted") or sm.get("drafts") or resp.get("drafted"):
             pos = sm.get("per_position")
-            rows.append(f"| {c['profile']} | {c['setting']} | {_load(c)} | {_f(resp.get('acceptance_rate'))} | "
+            rows.append(f"| {c['profile']} | {c['setting']} | {load_label(c)} | {_f(resp.get('acceptance_rate'))} | "
                         f"{_f(sm.get('acceptance_rate'))} | {_f(sm.get('mean_accepted_length'))} | "
                         f"{' / '.join(f'{x:.2f}' for x in pos) if pos else '-'} | {sm.get('schema') or '-'} |")
     if not rows:

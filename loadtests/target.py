@@ -210,37 +210,49 @@ def _sum(deltas: dict[str, float], pred) -> float | None:
     return sum(vals) if vals else None
 
 
-# The vLLM counter schema (vllm/v1/spec_decode/metrics.py `SpecDecodingProm`), which llama.cpp's server,
-# AIPerf and our embedded server also use; Prometheus clients print counters with a `_total` suffix.
-VLLM_DRAFTS = "vllm:spec_decode_num_drafts"
-VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
-VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# The vLLM counter schema (vllm/v1/spec_decode/metrics.py `SpecDecodingProm`), which our embedded server and
+# AIPerf use too, and llama.cpp's server exports under its own prefix (`llamacpp:spec_decode_num_drafts_total`,
+# ... build 11434). Prometheus clients print counters with a `_total` suffix.
+SPEC_COUNTERS = {"drafts": "spec_decode_num_drafts", "draft_tokens": "spec_decode_num_draft_tokens",
+                 "accepted": "spec_decode_num_accepted_tokens", "per_pos": "spec_decode_num_accepted_tokens_per_pos"}
+VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED, VLLM_PER_POS = (f"vllm:{n}" for n in SPEC_COUNTERS.values())
 _POSITION = re.compile(r'position="(\d+)"')
+_SPEC_FAMILY = re.compile(r"^([a-zA-Z_][a-zA-Z0-9_]*):(spec_decode_num_[a-z_]+?)(?:_total)?$")
 
 
-def _family(deltas: dict[str, float], name: str) -> dict[str, float]:
-    return {k: v for k, v in deltas.items() if k.split("{")[0] in (name, name + "_total")}
+def _spec_families(deltas: dict[str, float]) -> dict[str, dict[str, dict[str, float]]]:
+    """prefix ("vllm", "llamacpp", ...) -> counter ("drafts", ...) -> {series key: delta}."""
+    names = {v: k for k, v in SPEC_COUNTERS.items()}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for key, value in deltas.items():
+        m = _SPEC_FAMILY.match(key.split("{")[0])
+        if m and m.group(2) in names:
+            out.setdefault(m.group(1), {}).setdefault(names[m.group(2)], {})[key] = value
+    return out
 
 
 def vllm_spec_summary(deltas: dict[str, float]) -> dict[str, Any] | None:
-    """Acceptance from the vLLM-schema counters, or None when the server exports none of them.
+    """Acceptance from the vLLM-schema counters (`vllm:` preferred, else another server's prefix such as
+    `llamacpp:`), or None when the server exports none of them.
 
     acceptance rate = d(accepted) / d(draft tokens); mean accepted length = 1 + d(accepted) / d(drafts)
     (the bonus token counts, as vLLM's SpecDecodingLogging); acceptance at draft position i =
     d(accepted_per_pos{position=i}) / d(drafts) (the fraction of drafts whose i-th token was accepted)."""
-    fams = {n: _family(deltas, n) for n in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED, VLLM_PER_POS)}
-    if not any(fams.values()):
+    found = _spec_families(deltas)
+    if not found:
         return None
-    total = lambda n: sum(fams[n].values()) if fams[n] else None  # noqa: E731
-    drafts, drafted, accepted = total(VLLM_DRAFTS), total(VLLM_DRAFT_TOKENS), total(VLLM_ACCEPTED)
+    prefix = "vllm" if "vllm" in found else sorted(found)[0]
+    fams = found[prefix]
+    total = lambda n: sum(fams[n].values()) if fams.get(n) else None  # noqa: E731
+    drafts, drafted, accepted = total("drafts"), total("draft_tokens"), total("accepted")
     per_pos: dict[int, float] = {}
-    for key, value in fams[VLLM_PER_POS].items():
+    for key, value in fams.get("per_pos", {}).items():
         m = _POSITION.search(key)
         if m:
             per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0.0) + value
     return {
-        "schema": "vllm", "drafts": drafts, "drafted": drafted, "accepted": accepted,
+        "schema": "vllm" if prefix == "vllm" else f"vllm ({prefix}: prefix)", "drafts": drafts, "drafted": drafted,
+        "accepted": accepted,
         "acceptance_rate": accepted / drafted if accepted is not None and drafted else None,
         "mean_accepted_length": 1 + accepted / drafts if accepted is not None and drafts else None,
         "per_position": [per_pos.get(i, 0.0) / drafts for i in range(max(per_pos) + 1)]

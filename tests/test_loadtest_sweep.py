@@ -120,6 +120,14 @@ def test_vllm_schema_counters_are_read_first_with_per_position_acceptance():
     assert s["acceptance_rate"] == pytest.approx(0.6) and s["mean_accepted_length"] == pytest.approx(2.2)
     assert s["per_position"] == pytest.approx([0.8, 0.4])
     assert "specbuild_draft_tokens_total" in s["counters"]   # both exported: the vLLM names are read, not summed
+    # llama.cpp's server (build 11434) exports the same schema under its own prefix
+    llama = {"llamacpp:spec_decode_num_drafts_total": 7.0, "llamacpp:spec_decode_num_draft_tokens_total": 21.0,
+             "llamacpp:spec_decode_num_accepted_tokens_total": 11.0, "llamacpp:tokens_predicted_total": 20.0,
+             'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"}': 5.0,
+             'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"}': 2.0}
+    s = spec_summary(llama)
+    assert s["schema"] == "vllm (llamacpp: prefix)" and s["acceptance_rate"] == pytest.approx(11 / 21)
+    assert s["mean_accepted_length"] == pytest.approx(1 + 11 / 7) and s["per_position"] == pytest.approx([5 / 7, 2 / 7])
     # without vLLM names: matched by name, no per-position figures
     loose = spec_summary({"specbuild_accepted_tokens_total": 6.0, "specbuild_draft_tokens_total": 8.0,
                           "specbuild_drafts_total": 2.0})
