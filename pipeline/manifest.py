@@ -7,24 +7,27 @@ options + versions) is a no-op; anything else is rebuilt. An interrupted stage l
 directory, which no later stage accepts and the next run removes. If the final rename fails, the previous
 output is put back; a crash between the two renames is repaired by the next run (`recover_output`).
 Stages of one workspace serialize on `workspace_lock` (a second one refuses instead of deleting the
-first one's temp dirs).
+first one's temp dirs). A full disk while a stage writes is `NoSpaceError` ("no space left on device at
+PATH: free N MB or pass --workdir elsewhere"): the temp directory is removed, the previous output kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import platform
 import shutil
+import stat
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from specbuild import __version__
 from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
@@ -178,9 +181,79 @@ def ensure_writable_dir(directory: Path) -> Path:
         probe = tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-", delete=True)
         probe.close()
     except OSError as e:
+        if is_no_space(e):
+            raise NoSpaceError(no_space_message(directory)) from e
         raise SpecbuildError(f"cannot write to {directory}: {e.strerror or e}. "
                              "Pass a writable --workdir (or fix its permissions).") from e
     return directory
+
+
+# ---- a full disk ---------------------------------------------------------------------------------------
+class NoSpaceError(SpecbuildError):
+    """The filesystem of the workspace filled up while a stage wrote its output (ENOSPC / EDQUOT)."""
+
+
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+_MB = 1 << 20
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    """True if `exc` (or what caused it) is a full disk: an OSError with ENOSPC / EDQUOT, or a library error
+    that carries one only in its text (safetensors' Rust writer: "I/O error: No space left on device (os
+    error 28)")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE_ERRNOS:
+            return True
+        if any(t in str(exc) for t in _NO_SPACE_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def tree_bytes(path: Path | None) -> int:
+    """Bytes of the regular files under `path` (0 if it is missing); symlinks are not followed."""
+    if path is None:
+        return 0
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if not stat.S_ISLNK(st.st_mode):
+                    total += st.st_size
+    return total
+
+
+def _free_bytes(path: Path) -> int | None:
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def no_space_message(where: Path, need_bytes: int = 0, kept: Path | None = None) -> str:
+    """"no space left on device at PATH: free N MB or pass --workdir elsewhere", with what is known."""
+    free = _free_bytes(where)
+    if need_bytes and free is not None:
+        short_mb = max(1, -(-(need_bytes - free) // _MB))
+        head = f"no space left on device at {where}: free {short_mb} MB or pass --workdir elsewhere"
+        notes = [f"{free / _MB:.1f} MB free there, the output needs about {need_bytes / _MB:.1f} MB"]
+    else:
+        head = f"no space left on device at {where}: free some space or pass --workdir elsewhere"
+        notes = [f"{free / _MB:.1f} MB free there"] if free is not None else []
+    if kept is not None and kept.exists():
+        notes.append(f"the previous {kept.name}/ is unchanged")
+    notes.append("nothing half-written was kept")
+    return f"{head} ({'; '.join(notes)})."
 
 
 LOCK_FILE = ".specbuild.lock"
@@ -207,8 +280,9 @@ def workspace_lock(workdir: Path, what: str) -> Iterator[None]:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             raise WorkspaceBusy(f"{workdir} is busy: {holder} is using it; wait for it to finish, or use "
                                 f"another --workdir.") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} ({what})".encode(), 0)
+        with contextlib.suppress(OSError):   # who holds it: only a hint (and a full disk must not stop here)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} ({what})".encode(), 0)
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -261,17 +335,29 @@ def recover_output(final_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def stage_output(final_dir: Path) -> Iterator[Path]:
+def stage_output(final_dir: Path, need_bytes: int | Callable[[], int] | None = None) -> Iterator[Path]:
     """Yield a temporary directory next to `final_dir`; on success rename it into place atomically.
 
     On any exception the temporary directory is removed and `final_dir` is left as it was before (if the
     final rename itself fails, the previous output is put back). The caller must write `manifest.json`
     into the temp dir (see `write_manifest`) before leaving, and should hold the workspace lock.
+    A full disk (ENOSPC / EDQUOT, also inside a library's own error) becomes `NoSpaceError`: "no space left
+    on device at PATH: free N MB or pass --workdir elsewhere", N from `need_bytes` (an estimate of the
+    output's size, or a callable computing one), the previous output's size and what had been written.
     """
     final_dir = Path(final_dir)
     ensure_writable_dir(final_dir.parent)
     recover_output(final_dir)
-    tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".tmp-{final_dir.name}-"))
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=final_dir.parent, prefix=f".tmp-{final_dir.name}-"))
+    except OSError as e:
+        if is_no_space(e):
+            raise NoSpaceError(no_space_message(final_dir.parent, kept=final_dir)) from e
+        raise
+    # mkdtemp makes the directory 0700; the output (a model repository a server may read as another user)
+    # gets the mode any directory made here gets.
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
         if not (tmp / MANIFEST).exists():
@@ -290,9 +376,26 @@ def stage_output(final_dir: Path) -> Iterator[Path]:
         _fsync_dir(final_dir.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
+        full = is_no_space(e) and not isinstance(e, NoSpaceError)
+        written = tree_bytes(tmp) if full else 0
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            need = need_bytes() if callable(need_bytes) else (need_bytes or 0)
+            need = max(need, tree_bytes(final_dir), written)
+            raise NoSpaceError(no_space_message(final_dir.parent, need, kept=final_dir)) from e
         raise
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux /proc; else the usual 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The stage runner shared by convert, build and deploy.
 
 A stage is: upstream manifest(s) + options -> an output directory with a manifest. The runner owns
-the fingerprint no-op, the atomic write (temp dir + rename) and the manifest; the backend owns the
-work. Backends live in `specbuild.engines.<backend>.<stage>` and expose::
+the fingerprint no-op, the atomic write (temp dir + rename; a full disk is `NoSpaceError`, the previous
+output kept) and the manifest; the backend owns the work. Backends live in
+`specbuild.engines.<backend>.<stage>` and expose::
 
     def run(ctx: StageContext) -> StageResult          # do the work into ctx.out_dir
     def plan(ctx: StageContext) -> list[PlanStep]      # optional: what run() would do (--dry-run)
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 from specbuild.pipeline.errors import SpecbuildError, UsageError
 from specbuild.pipeline.manifest import (HashCache, Manifest, is_up_to_date, read_manifest, recover_output,
-                                         stage_output, workspace_lock, write_manifest)
+                                         stage_output, tree_bytes, workspace_lock, write_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def _run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, An
     if not force and is_up_to_date(out_dir, manifest):
         return StageOutcome(out_dir, read_manifest(out_dir, stage), skipped=True,
                             seconds=time.perf_counter() - t0)
-    with stage_output(out_dir) as tmp:
+    with stage_output(out_dir, need_bytes=lambda: _output_estimate(stage, ctx)) as tmp:
         ctx.out_dir = tmp
         try:
             result: StageResult = mod.run(ctx)
@@ -159,6 +160,20 @@ def _run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, An
         data["fingerprint"] = fp
         write_manifest_raw(tmp, data)
     return StageOutcome(out_dir, data, skipped=False, seconds=time.perf_counter() - t0)
+
+
+def _output_estimate(stage: str, ctx: StageContext) -> int:
+    """About how many bytes a stage's output takes, for the "free N MB" of a full disk: convert writes a
+    copy of both checkpoints, build one of the converted checkpoints; deploy writes a few small files."""
+    if stage == "convert":
+        dirs = [ctx.options.get("target_dir"), ctx.options.get("draft_dir")]
+        if dirs[0] and dirs[0] == dirs[1]:
+            dirs = dirs[:1]
+    elif stage == "build":
+        dirs = [ctx.upstream_dir]
+    else:
+        dirs = []
+    return sum(tree_bytes(Path(d)) for d in dirs if d)
 
 
 def write_manifest_raw(directory: Path, data: dict[str, Any]) -> None:
