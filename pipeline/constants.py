@@ -12,7 +12,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 PROPOSERS = ("draft", "ngram")
 
 # Draft quantizations `build --draft-quantize` offers (embedded backend); see engines/embedded/quant.py.
-DRAFT_QUANTIZATIONS = ("int8",)
+DRAFT_QUANTIZATIONS = ("int8", "int4")
 
 # Tokenizer files copied beside a checkpoint or an engine: the chat template included, so that clients
 # (loadtest, verify) render chat prompts with the model's own template.

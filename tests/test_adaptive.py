@@ -334,12 +334,15 @@ def test_a_draft_that_is_slow_here_is_turned_off_by_measured_costs(tiny_llama, m
     for online in (True, False):
         eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=2, max_seq_len=192,
                                       policy=Policy(), online_costs=online)
-        fwd = eng.draft.forward
+        from specbuild.engines.embedded import proposers
 
-        def slow(*a, _fwd=fwd, **kw):
-            _time.sleep(0.02)
-            return _fwd(*a, **kw)
-        monkeypatch.setattr(eng.draft, "forward", slow)
+        real = proposers.ragged_forward            # every draft step (fused or eager) goes through it
+
+        def slow(model, *a, _real=real, _draft=eng.draft, **kw):
+            if model is _draft:
+                _time.sleep(0.02)
+            return _real(model, *a, **kw)
+        monkeypatch.setattr(proposers, "ragged_forward", slow)
         params = SamplingParams(max_tokens=48, ignore_eos=True)
         plain = eng.generate(PROMPTS[0], params, num_draft_tokens=0).token_ids
         runs = [eng.generate(PROMPTS[0], params) for _ in range(2)]

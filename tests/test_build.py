@@ -126,6 +126,30 @@ def test_int8_self_draft_loads_and_generates(self_draft_workdir):
     assert result.calibration["alpha"] >= 0.5
 
 
+def test_int4_self_draft_build(tmp_path, tiny_llama):
+    """`--draft-quantize int4`: Q4_1 layers + a Q8_0 lm_head, stored as blocks, reported with the fraction of the
+    target's weights they hold exactly (the tiny random model is not a GGUF's: blocks approximate it)."""
+    from specbuild.engines.embedded import Engine, Policy, SamplingParams
+    from specbuild.engines.embedded.quant import BlockLinear
+
+    convert(tiny_llama, tiny_llama, workdir=tmp_path)
+    result = build(workdir=tmp_path, draft_quantize="int4", calibrate=False, num_draft_tokens=3, **SMALL)
+    out = tmp_path / "engines"
+    cfg = json.loads((out / "engine_config.json").read_text())
+    assert cfg["draft_format"] == "int4-blocks" and cfg["draft_quantize"] == "int4" and cfg["draft_kv"] == "shared"
+    assert (out / "draft" / "model.int4.safetensors").is_file()
+    draft = result.manifest["outputs"]["draft"]
+    assert draft["scheme"] == "int4" and 0.0 <= draft["exact_fraction"] < 1.0
+    assert (out / "draft" / "model.int4.safetensors").stat().st_size < \
+        0.5 * (out / "target" / "model.safetensors").stat().st_size
+    engine = Engine.from_build_dir(out, policy=Policy(k=3))
+    assert isinstance(engine.draft.layers[0].qkv, BlockLinear) and engine.draft.lm_head.scheme == "q8_0"
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = engine.generate("The quick brown fox", params, num_draft_tokens=0)
+    spec = engine.generate("The quick brown fox", params, num_draft_tokens=3, proposer="draft")
+    assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
+
+
 def test_ngram_build_explicit_k_wins_over_calibration(tmp_path, tiny_llama, tiny_llama_draft):
     convert(tiny_llama, tiny_llama_draft, workdir=tmp_path)
     result = build(workdir=tmp_path, proposer="ngram", num_draft_tokens=3, **SMALL)
@@ -146,7 +170,7 @@ def test_ngram_build_explicit_k_wins_over_calibration(tmp_path, tiny_llama, tiny
     ({"max_seq_len": 4}, "--max-seq-len"),
     ({"dtype": "int4"}, "--dtype"),
     ({"proposer": "medusa"}, "--proposer"),
-    ({"draft_quantize": "int4"}, "--draft-quantize"),
+    ({"draft_quantize": "int2"}, "--draft-quantize"),
     ({"tp": 2}, "--tp/--pp"),
     ({"device": "tpu"}, "--device"),
     ({"threads": 0}, "--threads"),

@@ -23,15 +23,19 @@ def _engine(tiny_llama, draft_kv):
 
 
 def _record_draft_forwards(eng, monkeypatch):
+    """(rows, longest row) of every forward of the draft model, fused or eager (both go through ragged_forward)."""
+    from specbuild.engines.embedded import model as model_mod, proposers
+
     shapes = []
-    model = eng.draft
-    fwd = model.forward
+    real = model_mod.ragged_forward
 
-    def rec(tokens, meta, cache, logits_index=None):
-        shapes.append(tuple(tokens.shape))
-        return fwd(tokens, meta, cache, logits_index)
+    def rec(model, cache, slots, starts, rows, *a, **kw):
+        if model is eng.draft:
+            shapes.append((len(rows), max(len(r) for r in rows)))
+        return real(model, cache, slots, starts, rows, *a, **kw)
 
-    monkeypatch.setattr(model, "forward", rec)
+    monkeypatch.setattr(model_mod, "ragged_forward", rec)
+    monkeypatch.setattr(proposers, "ragged_forward", rec)
     return shapes
 
 

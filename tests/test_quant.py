@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from specbuild.engines.embedded.quant import (Int8Linear, dequantize_weight, load_int8_model,
+from specbuild.engines.embedded.quant import (Int8Linear, dequantize_weight, load_quantized_model,
                                               load_quantized_state_dict_, quantize_model_, quantize_weight,
-                                              save_int8_model)
+                                              save_quantized_model)
 from specbuild.pipeline.errors import SourceError, UsageError
 
 
@@ -55,8 +55,11 @@ def test_quantize_model_swaps_linears_and_skips():
     assert isinstance(model[0], nn.Embedding)
     assert isinstance(model[1], Int8Linear)
     assert isinstance(model[3], nn.Linear) and not isinstance(model[3], Int8Linear)
-    with pytest.raises(UsageError, match="int4"):
+    with pytest.raises(UsageError, match="unknown quantization scheme 'int2'"):
+        quantize_model_(model, "int2")
+    with pytest.raises(UsageError, match="in_features % 32"):       # refused before anything is swapped
         quantize_model_(model, "int4")
+    assert isinstance(model[1], Int8Linear) and type(model[3]) is nn.Linear
 
 
 def test_quantized_state_dict_round_trip(tmp_path):
@@ -95,9 +98,9 @@ def test_engine_model_int8_round_trip_and_agreement(tmp_path, tiny_llama):
     q = quantize_model_(load_model(tiny_llama))
     n_linear = sum(isinstance(m, Int8Linear) for m in q.modules())
     assert n_linear == 4 * ref.cfg.num_layers + 1                         # qkv, o, gate_up, down + lm_head
-    info = save_int8_model(q, tmp_path / "draft", hf_config=read_config(tiny_llama))
+    info = save_quantized_model(q, tmp_path / "draft", hf_config=read_config(tiny_llama), scheme="int8")
     assert info["quantized_linears"] == n_linear
-    loaded = load_int8_model(tmp_path / "draft")
+    loaded = load_quantized_model(tmp_path / "draft")
     for (k1, v1), (k2, v2) in zip(q.state_dict().items(), loaded.state_dict().items()):
         assert k1 == k2 and torch.equal(v1, v2), k1
     ids = list(range(3, 40))
@@ -110,6 +113,6 @@ def test_engine_model_int8_round_trip_and_agreement(tmp_path, tiny_llama):
     assert info["bytes"] < ref.num_bytes()
 
 
-def test_load_int8_model_errors(tmp_path, tiny_llama):
+def test_load_quantized_model_errors(tmp_path, tiny_llama):
     with pytest.raises(SourceError, match="draft-quantize int8"):
-        load_int8_model(tiny_llama)                                       # an fp checkpoint, not int8
+        load_quantized_model(tiny_llama)                                       # an fp checkpoint, not int8

@@ -30,6 +30,7 @@ from specbuild.pipeline.constants import ENGINE_CONFIG_FILE, TOKENIZER_FILES
 from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
 from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
 
+DRAFT_FORMATS = {"int8": "int8-weight-only", "int4": "int4-blocks"}   # engine_config.json draft_format
 SMOKE_PROMPT = "The capital of France is"
 SMOKE_TOKENS = 8
 
@@ -75,7 +76,7 @@ def _engine_config(opts: dict[str, Any], *, has_draft: bool, policy: Policy, cal
     """The runtime config `Engine.from_build_dir` reads (paths relative to the engine directory)."""
     draft_format = None
     if has_draft:
-        draft_format = "int8-weight-only" if opts["draft_quantize"] == "int8" else "hf-safetensors"
+        draft_format = DRAFT_FORMATS.get(opts["draft_quantize"], "hf-safetensors")
     return EngineConfig(
         target="target", draft="draft" if has_draft else None, draft_format=draft_format,
         draft_quantize=opts["draft_quantize"] if has_draft else None, tokenizer="tokenizer",
@@ -135,12 +136,12 @@ def _write_target(src: Path, dst: Path, dtype: str) -> dict:
 def _write_draft(src: Path, dst: Path, *, dtype: str, quantize: str | None) -> dict:
     if quantize is None:
         return _write_target(src, dst, dtype)
-    from specbuild.engines.embedded.quant import quantize_model_, save_int8_model
+    from specbuild.engines.embedded.quant import quantize_model_, save_quantized_model
     from specbuild.engines.embedded.weights import load_model, read_config
 
     model = quantize_model_(load_model(src, dtype=dtype), quantize)
-    info = save_int8_model(model, dst, hf_config={**read_config(src), "dtype": dtype})
-    return {"format": "int8-weight-only", "dtype": dtype, **info}
+    info = save_quantized_model(model, dst, hf_config={**read_config(src), "dtype": dtype}, scheme=quantize)
+    return {"format": DRAFT_FORMATS[quantize], "dtype": dtype, **info}
 
 
 def _smoke(engine, *, has_draft: bool, proposer: str) -> dict:
@@ -206,11 +207,16 @@ def run(ctx: StageContext) -> StageResult:
         ctx.progress(msg)
 
     try:
+        if opts.get("decode_step", "auto") != "eager":
+            from specbuild.engines.embedded import fused
+
+            step("the fused decode step (compiled once per machine)")
+            fused.build(progress=ctx.progress)
         step("writing target weights")
         outputs["target"] = _write_target(target_src, out / "target", opts["dtype"])
         bar.update()
         if use_draft and draft_src is not None:
-            step("writing draft weights" + (" (int8 weight-only)" if opts["draft_quantize"] else ""))
+            step("writing draft weights" + (f" ({opts['draft_quantize']} weight-only)" if opts["draft_quantize"] else ""))
             outputs["draft"] = _write_draft(draft_src, out / "draft", dtype=opts["dtype"],
                                             quantize=opts["draft_quantize"])
         bar.update()
@@ -234,6 +240,7 @@ def run(ctx: StageContext) -> StageResult:
         calibration = None
         if opts["calibrate"]:
             from specbuild.engines.embedded.calibrate import calibrate
+            from specbuild.engines.embedded.fused import decode_step_of
             from specbuild.engines.embedded.kernels import linear_kernel_of
 
             step("calibrating (step times, acceptance)")
@@ -241,6 +248,7 @@ def run(ctx: StageContext) -> StageResult:
                             max_draft_len=opts["max_draft_len"], progress=ctx.progress)
             calibration = cal.to_dict()
             calibration["linear_kernel"] = linear_kernel_of(engine.target)     # what the costs were measured on
+            calibration["decode_step"] = decode_step_of(engine.target, engine.scorer.cache)
             if opts["num_draft_tokens"] is None:
                 default_k = cal.recommended_k
             if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:
@@ -274,6 +282,11 @@ def plan(ctx: StageContext) -> list[PlanStep]:
         if opts["draft_quantize"] == "int8":
             steps.append(PlanStep("note", note="quantize the draft's linear layers to int8 (per-output-channel)"))
             steps.append(PlanStep("write", path=str(out / "draft" / "model.int8.safetensors")))
+        elif opts["draft_quantize"] == "int4":
+            steps.append(PlanStep("note", note="quantize the draft's layers to Q4_1 blocks and its lm_head to Q8_0 "
+                                               "(the GGUF layouts; a dequantized GGUF's own blocks are recovered "
+                                               "exactly)"))
+            steps.append(PlanStep("write", path=str(out / "draft" / "model.int4.safetensors")))
         else:
             steps += [PlanStep("write", path=str(out / "draft" / f.name)) for f in _weights(draft_src)]
     steps.append(PlanStep("write", path=str(out / "tokenizer")))

@@ -69,27 +69,24 @@ def estimate_alpha(accepted_per_pos: list[int], drafted_per_pos: list[int]) -> f
     return successes / trials if trials else 0.0
 
 
-def forward_probe(model, *, new_tokens: int, context: int, batch: int = 1) -> Callable[[], None]:
+def forward_probe(model, *, new_tokens: int, context: int, batch: int = 1,
+                  decode_step: str = "auto") -> Callable[[], None]:
     """A closure running one forward of ``model`` over ``new_tokens`` positions after ``context`` cached ones, for
-    ``batch`` rows (sequences in slots 0..batch-1), on the engine's own KV cache and batch metadata (exactly what
-    the scorer/proposer run)."""
+    ``batch`` rows (sequences in slots 0..batch-1), on a KV cache of its own through `ragged_forward`: exactly what
+    the scorer/proposer run (the fused step where the engine uses it)."""
     from specbuild.engines.embedded.kvcache import KVCache
-    from specbuild.engines.embedded.model import BatchMeta
+    from specbuild.engines.embedded.model import ragged_forward
 
     cfg = model.cfg
     device = model.embed.weight.device
-    dtype = model.embed.weight.dtype
     cache = KVCache(num_layers=cfg.num_layers, num_slots=batch, kv_heads=cfg.num_kv_heads,
-                    max_seq=context + new_tokens, head_dim=cfg.head_dim, dtype=dtype, device=device)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, new_tokens), device=device)
-    positions = torch.arange(context, context + new_tokens, device=device)[None, :].repeat(batch, 1)   # [B, T]
-    valid = torch.ones_like(positions, dtype=torch.bool)
-    meta = BatchMeta(list(range(batch)), positions, valid, cache.scratch_slot, device,
-                     attn_len=context + new_tokens)
+                    max_seq=context + new_tokens, head_dim=cfg.head_dim, dtype=model.embed.weight.dtype,
+                    device=device, decode_step=decode_step)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, cfg.vocab_size, (batch, new_tokens), generator=gen).tolist()
 
     def step() -> None:
-        with torch.inference_mode():
-            model(tokens, meta, cache)
+        ragged_forward(model, cache, list(range(batch)), [context] * batch, rows, "all", device)
     return step
 
 
@@ -193,10 +190,11 @@ def calibrate(engine, target_model, draft_model, *, proposer: str, max_draft_len
     say = progress or (lambda msg: None)
     say(f"calibration: timing target step, target verify for K=1..{max_draft_len}"
         + (", draft step" if proposer == "draft" else ""))
-    probes = {("verify", k): forward_probe(target_model, new_tokens=k + 1, context=context)
+    step = engine.config.decode_step
+    probes = {("verify", k): forward_probe(target_model, new_tokens=k + 1, context=context, decode_step=step)
               for k in range(0, max_draft_len + 1)}          # K=0: a plain decode step (1 position)
     if proposer == "draft":
-        probes[("draft", 1)] = forward_probe(draft_model, new_tokens=1, context=context)
+        probes[("draft", 1)] = forward_probe(draft_model, new_tokens=1, context=context, decode_step=step)
     timed = time_interleaved(probes, reps=reps)
     t_target = timed[("verify", 0)]
     t_verify = {k: timed[("verify", k)] for k in range(1, max_draft_len + 1)}

@@ -41,6 +41,7 @@ EXACT, UNSAFE_ALWAYS_ACCEPT = "exact", "unsafe-always-accept"   # acceptance rul
 ACCEPTANCE_RULES = (EXACT, UNSAFE_ALWAYS_ACCEPT)
 LINEAR_KERNELS = ("auto", "onednn", "aten")
 DRAFT_KV = ("own", "shared")
+DECODE_STEPS = ("auto", "fused", "eager")  # = fused.DECODE_STEPS (this module imports no torch)
 ENGINE_FORMAT = "specbuild-embedded-engine"
 ENGINE_SCHEMA = 2                        # 2: `policy` object (1: loose adaptive_k / spec_max_concurrency keys)
 QUEUE_PER_SLOT = 4                       # default max_queue_size = QUEUE_PER_SLOT x max_batch_size
@@ -134,7 +135,7 @@ class EngineConfig:
 
     target: str = "target"
     draft: str | None = None
-    draft_format: str | None = None          # "hf-safetensors" | "int8-weight-only" | "int4-..." (quant.py)
+    draft_format: str | None = None          # "hf-safetensors" | "int8-weight-only" | "int4-blocks" (quant.py)
     draft_quantize: str | None = None        # the quantization build applied (None: the draft as converted)
     tokenizer: str | None = None             # None: the target dir holds the tokenizer
     max_batch_size: int = 8
@@ -145,6 +146,7 @@ class EngineConfig:
     threads: int | None = None
     draft_kv: str = "own"                    # "shared": a self-draft attends over the target's KV cache
     linear_kernel: str = "auto"              # "auto" | "onednn" | "aten" (kernels.py)
+    decode_step: str = "auto"                # "auto" | "fused" | "eager" (fused.py)
     online_costs: bool = True                # adaptive K prices K with step costs measured while serving
     acceptance_rule: str = EXACT             # "exact" | "unsafe-always-accept" (deliberate fault, tests only)
     max_queue_size: int | None = None        # waiting requests before refusing; None = 4 x max_batch_size
@@ -160,7 +162,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use one of {DTYPES}.")
         for name, allowed in (("acceptance_rule", ACCEPTANCE_RULES), ("linear_kernel", LINEAR_KERNELS),
-                              ("draft_kv", DRAFT_KV)):
+                              ("draft_kv", DRAFT_KV), ("decode_step", DECODE_STEPS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is unknown; use one of {allowed}"
                                   + (" (\"exact\" is the only lossless one)." if name == "acceptance_rule" else "."))

@@ -76,7 +76,8 @@ class Engine:
         def cache_for(m: Transformer) -> KVCache:
             c = m.cfg
             return KVCache(num_layers=c.num_layers, num_slots=config.max_batch_size, kv_heads=c.num_kv_heads,
-                           max_seq=config.max_seq_len, head_dim=c.head_dim, dtype=m.embed.weight.dtype, device=dev)
+                           max_seq=config.max_seq_len, head_dim=c.head_dim, dtype=m.embed.weight.dtype, device=dev,
+                           decode_step=config.decode_step)
 
         self.scorer = TargetScorer(target, cache_for(target), dev)
         proposer = None
@@ -85,6 +86,15 @@ class Engine:
             proposer = DraftModelProposer(draft, self.scorer.cache, dev, shares_target_kv=True)
         elif draft is not None:
             proposer = DraftModelProposer(draft, cache_for(draft), dev)
+        from specbuild.engines.embedded.fused import decode_step_of, status
+
+        self.decode_step = decode_step_of(target, self.scorer.cache)       # "fused" | "eager", what forwards run
+        log.info("decode step: %s", self.decode_step if self.decode_step == "fused" else status())
+        measured = (config.calibration or {}).get("decode_step")
+        if measured and measured != self.decode_step:
+            log.warning("the build's calibration was measured on the %s decode step but this engine runs %s: its "
+                        "costs, default K and crossover are stale; re-measure with `specbuild build --force`.",
+                        measured, self.decode_step)
         self.scheduler = Scheduler(scorer=self.scorer, draft=proposer, ngram=NgramProposer(),
                                    max_batch_size=config.max_batch_size, policy=config.policy,
                                    calibration=config.calibration, acceptance_rule=config.acceptance_rule,
@@ -348,11 +358,11 @@ def _check_kv_compatible(target: Transformer, draft: Transformer) -> None:
 
 def _load_draft(draft_dir, *, dtype, device, quantize: str | None) -> Transformer:
     """A draft dir is a plain checkpoint (quantized on load with `quantize`), or a quantized draft written by the
-    build stage (quant.save_int8_model)."""
+    build stage (quant.save_quantized_model)."""
     from specbuild.engines.embedded import quant
 
     cfg_path = Path(draft_dir) / "config.json"
     if cfg_path.is_file() and "specbuild_quantization" in json.loads(cfg_path.read_text()):
-        return quant.load_int8_model(draft_dir, dtype=dtype, device=device)
+        return quant.load_quantized_model(draft_dir, dtype=dtype, device=device)
     model = load_model(draft_dir, dtype=dtype, device=device)
     return quant.quantize_model_(model, quantize) if quantize else model

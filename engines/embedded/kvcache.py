@@ -18,8 +18,9 @@ from specbuild.engines.embedded.errors import EngineLimitError
 
 class KVCache:
     def __init__(self, *, num_layers: int, num_slots: int, kv_heads: int, max_seq: int, head_dim: int,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, decode_step: str = "auto"):
         shape = (num_slots + 1, kv_heads, max_seq, head_dim)
+        self.decode_step = decode_step          # fused.py: "auto" | "fused" | "eager" for forwards over this cache
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots, self.max_seq = num_slots, max_seq

@@ -10,6 +10,7 @@ Shapes: B = rows in the batch, T = new tokens per row (padded), S = attended cac
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -186,6 +187,11 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self._rope_cache = None
 
+    def rope_tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sign-folded sin) [>= need, hd] in the model's dtype (the table `_rope` indexes)."""
+        self._rope(torch.zeros(1, 1, dtype=torch.long, device=self.inv_freq.device), need)
+        return self._rope_cache
+
     def _rope(self, positions: torch.Tensor, need: int):
         """cos/sin [B, T, 1, hd] for `positions` (all < need), from a table grown on demand."""
         if self._rope_cache is None or self._rope_cache[0].shape[0] < need:
@@ -224,10 +230,16 @@ class Transformer(nn.Module):
 @torch.inference_mode()
 def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int], rows: list[list[int]],
                    logits: str = "last", device="cpu"):
-    """Run rows of new tokens (row i at positions starts[i]..) in one padded forward.
+    """Run rows of new tokens (row i at positions starts[i]..) in one forward: the fused step when the cache
+    has a runner for this model (fused.py: ragged, no padding), else one padded eager forward.
 
     logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None.
     """
+    from specbuild.engines.embedded.fused import runner_for
+
+    runner = runner_for(model, cache, getattr(cache, "decode_step", "auto"))
+    if runner is not None:
+        return _fused_forward(model, runner, slots, starts, rows, logits, device)
     B, T = len(rows), max(len(r) for r in rows)
     lens = [len(r) for r in rows]
     if B == 1:
@@ -250,6 +262,20 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
         idx = torch.tensor([b * T + t for b, n in enumerate(lens) for t in range(n)], device=device)
     out = model(tokens, meta, cache, idx)
     return None if logits == "none" else out
+
+
+def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str, device):
+    flat = [t for r in rows for t in r]
+    slot = [s for s, r in zip(slots, rows) for _ in r]
+    pos = [p0 + i for p0, r in zip(starts, rows) for i in range(len(r))]
+    x = model.embed(torch.tensor(flat, dtype=torch.long, device=device))
+    h = runner.forward(x, torch.tensor(slot, dtype=torch.long), torch.tensor(pos, dtype=torch.long))
+    if logits == "none":
+        return None
+    if logits == "last":
+        ends = list(itertools.accumulate(len(r) for r in rows))
+        h = h.index_select(0, torch.tensor([e - 1 for e in ends], device=device))
+    return model.lm_head(model.norm(h)).float()
 
 
 class CachedRunner:

@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization for the embedded engine (the demo draft runs on it).
+"""Weight-only quantization for the embedded engine's drafts: ``"int8"`` (per-channel) and ``"int4"`` (GGUF blocks).
 
 Scheme ``"int8"``: every ``nn.Linear`` weight ``W [out, in]`` is stored as symmetric per-output-channel int8
 ``Q = round(W / s)``, ``s = max|W_row| / 127`` (one fp32 scale per output row). Activations stay floating point.
@@ -11,9 +11,20 @@ fp32-activation path is *not* vectorized (9 ms for the 49152x576 lm_head, slower
 Measured there it also beats fp32 for wide inputs (lm_head, 256 rows: 53 ms against 112 ms), so prefill uses it.
 Elsewhere (CUDA, or a torch without the op) the module dequantizes on the fly: ``F.linear(x, Q.to(x.dtype)) * s``.
 
-Stored format (``save_int8_model`` / ``load_int8_model``): ``config.json`` (the HF config plus a
-``specbuild_quantization`` entry) and ``model.int8.safetensors`` holding the engine model's state dict, where each
-quantized linear is ``<module>.qweight`` int8 ``[out, in]``, ``<module>.scales`` float32 ``[out]`` (+ ``.bias``).
+Scheme ``"int4"``: every layer's linear as **Q4_1** blocks (32 weights along the input, ``w = d * q + m``,
+q in 0..15: 0.625 bytes per weight) and the lm_head as **Q8_0** blocks (``w = d * q``, q in -127..127), the
+layouts of GGUF and llama.cpp. The blocks are found by `quantize_blocks`, which first tries to *recover* them:
+when a weight is the dequantization of such blocks (the demo target is SmolLM2's Q4_1 GGUF, dequantized by
+transformers), fp16 d and m and the q that reproduce every weight bit for bit exist and are found, so the draft
+holds exactly the target's weights; elsewhere they are ordinary min/max blocks with fp32 d and m. The build
+reports the fraction of weights held exactly. The matmul runs on the fused extension's block kernels
+(csrc/fused.cpp: fp32 activations, the same products as the target's); without it, on a dequantized copy.
+
+Stored format (``save_quantized_model`` / ``load_quantized_model``): ``config.json`` (the HF config plus a
+``specbuild_quantization`` entry) and ``model.<scheme>.safetensors`` holding the engine model's state dict, where
+an int8 linear is ``<module>.qweight`` int8 ``[out, in]``, ``<module>.scales`` float32 ``[out]`` (+ ``.bias``) and
+a block linear is ``<module>.qs`` (uint8 ``[out, in/32, 16]``: Q4_1, or int8 ``[out, in/32, 32]``: Q8_0),
+``<module>.d`` (and for Q4_1 ``<module>.m``) float32 ``[out, in/32]`` (+ ``.bias``).
 """
 
 from __future__ import annotations
@@ -24,7 +35,9 @@ from torch import nn
 
 from specbuild.pipeline.errors import UsageError
 
-SCHEMES = ("int8",)
+from specbuild.pipeline.constants import DRAFT_QUANTIZATIONS as SCHEMES
+
+BLOCK = 32                               # weights per block (Q4_1, Q8_0)
 
 
 def _has_pack_kernel() -> bool:
@@ -91,6 +104,131 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
+# ---- block quantization: Q4_1 and Q8_0 (the GGUF layouts) --------------------------------------------------
+def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, scheme: str) -> torch.Tensor:
+    """Blocks -> fp32 weight [out, in], computed as gguf-py does: (d * q) + m, each op rounded to fp32."""
+    if scheme == "q4_1":
+        q = torch.cat((qs & 15, qs >> 4), dim=-1).float()            # byte j: element j, then element j + 16
+        w = q * d[..., None] + m[..., None]
+    else:
+        w = qs.float() * d[..., None]
+    return w.reshape(w.shape[0], -1)
+
+
+def quantize_blocks(weight: torch.Tensor, scheme: str):
+    """fp weight [out, in] (in % 32 == 0) -> (qs, d, m or None, fraction of weights held exactly).
+
+    First the blocks that reproduce `weight` bit for bit with fp16 d (and m), as a dequantized GGUF weight has:
+    m = the block's minimum, d = fp16((max - min) / 15) (Q4_1), d = fp16(max|w| / 127) (Q8_0), q by rounding,
+    then +-1 where that misses; a block that still differs is quantized from its min/max with fp32 d and m."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise UsageError(f"block quantization needs a 2-D weight with in_features % {BLOCK} == 0, got "
+                         f"{tuple(weight.shape)}.")
+    w = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
+    if scheme == "q4_1":
+        lo, hi = w.amin(-1), w.amax(-1)
+        d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+        qmin, qmax = 0, 15
+    elif scheme == "q8_0":
+        amax = w.abs().amax(-1)
+        d, m = (amax / 127).half().float(), None
+        qmin, qmax = -127, 127
+    else:
+        raise UsageError(f"unknown block scheme {scheme!r}")
+
+    def recon(q, d, m):
+        return q * d[..., None] + (m[..., None] if m is not None else 0.0)
+
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round((w - (m[..., None] if m is not None else 0.0)) / safe[..., None]).clamp(qmin, qmax)
+    for step in (1.0, -1.0):               # a rounding that landed one step off the stored q
+        miss = recon(q, d, m) != w
+        alt = (q + step).clamp(qmin, qmax)
+        q = torch.where(miss & (recon(alt, d, m) == w), alt, q)
+    exact = (recon(q, d, m) == w).all(-1)                            # [out, blocks]
+    if not bool(exact.all()):                                         # not blocks of a GGUF: plain min/max blocks
+        if scheme == "q4_1":
+            d2 = (w.amax(-1) - w.amin(-1)) / 15
+            m2 = w.amin(-1)
+        else:
+            d2, m2 = w.abs().amax(-1) / 127, None
+        safe2 = torch.where(d2 == 0, torch.ones_like(d2), d2)
+        q2 = torch.round((w - (m2[..., None] if m2 is not None else 0.0)) / safe2[..., None]).clamp(qmin, qmax)
+        q = torch.where(exact[..., None], q, q2)
+        d = torch.where(exact, d, d2)
+        m = torch.where(exact, m, m2) if m is not None else None
+    fraction = float((recon(q, d, m) == w).float().mean())
+    if scheme == "q4_1":
+        qi = q.to(torch.uint8)
+        qs = (qi[..., :16] | (qi[..., 16:] << 4)).contiguous()       # [out, blocks, 16]
+    else:
+        qs = q.to(torch.int8).contiguous()                            # [out, blocks, 32]
+    return qs, d.contiguous(), None if m is None else m.contiguous(), fraction
+
+
+class BlockLinear(nn.Module):
+    """Drop-in for ``nn.Linear`` with Q4_1 (``qs`` uint8) or Q8_0 (``qs`` int8) block weights; fp32 activations.
+    Runs on the fused extension's kernel; without it (or for prompt-sized inputs) on a dequantized fp32 copy made
+    the first time it is needed."""
+
+    prefill_min_rows = 16
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None = None):
+        super().__init__()
+        if qs.dtype not in (torch.uint8, torch.int8) or qs.dim() != 3 or d.shape != qs.shape[:2]:
+            raise UsageError(f"BlockLinear wants qs [out, blocks, 16|32] uint8/int8 and d [out, blocks], got "
+                             f"{qs.dtype} {tuple(qs.shape)} and {tuple(d.shape)}.")
+        self.scheme = "q4_1" if qs.dtype == torch.uint8 else "q8_0"
+        if (self.scheme == "q4_1") != (m is not None):
+            raise UsageError("a Q4_1 BlockLinear needs m; a Q8_0 one has none.")
+        self.kind = 1 if self.scheme == "q4_1" else 2
+        self.out_features, self.in_features = qs.shape[0], qs.shape[1] * BLOCK
+        self.register_buffer("qs", qs.contiguous().clone())
+        self.register_buffer("d", d.float().contiguous())
+        self.register_buffer("m", None if m is None else m.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self._dense = None          # dequantized fp32 copy (eager fallback), made on first need
+        self._packed = None         # its oneDNN-reordered form (prompt-sized inputs)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, scheme: str) -> tuple["BlockLinear", float]:
+        qs, d, m, fraction = quantize_blocks(linear.weight, scheme)
+        return cls(qs, d, m, getattr(linear, "bias", None)), fraction
+
+    def dense_weight(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = dequantize_blocks(self.qs, self.d, self.m, self.scheme)
+        return self._dense
+
+    def prefill_weight(self):
+        """The oneDNN-packed fp32 copy for prompt-sized inputs (None where oneDNN packing is not available)."""
+        from specbuild.engines.embedded.kernels import onednn_available
+
+        if self._packed is None and self.qs.device.type == "cpu" and onednn_available():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight().contiguous())
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from specbuild.engines.embedded.fused import block_linear
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = None
+        if x2.shape[0] < self.prefill_min_rows and x2.device.type == "cpu":
+            y = block_linear(self.kind, x2, self.qs, self.d, self.m, self.bias, self.out_features)
+        if y is None:
+            packed = self.prefill_weight() if x2.device.type == "cpu" else None
+            if packed is not None:
+                y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
+            else:
+                y = F.linear(x2, self.dense_weight().to(x2.device), self.bias)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme} blocks of {BLOCK}"
+
+
+# ---- whole models --------------------------------------------------------------------------------------------
 def _linear_like(module: nn.Module) -> bool:
     """``nn.Linear`` or a module that behaves like one (a 2-D ``weight`` and ``F.linear`` semantics)."""
     if isinstance(module, nn.Linear):
@@ -101,49 +239,75 @@ def _linear_like(module: nn.Module) -> bool:
 
 
 def quantize_model_(model: nn.Module, scheme: str = "int8", *, skip: tuple[str, ...] = ()) -> nn.Module:
-    """Swap every Linear-like submodule of ``model`` for an ``Int8Linear`` in place and return ``model``.
+    """Swap every Linear-like submodule of ``model`` for its quantized form in place and return ``model``.
 
-    ``skip`` lists qualified module names (or name suffixes, e.g. ``"lm_head"``) to leave in floating point.
-    Embeddings stay floating point; a tied lm_head gets its own int8 copy (the embedding keeps its weights).
-    """
+    ``"int8"``: ``Int8Linear`` everywhere; ``"int4"``: Q4_1 ``BlockLinear`` for the layers and a Q8_0 one for the
+    lm_head (the output layer decides every draft token: its 8-bit blocks keep acceptance up). ``skip`` lists
+    qualified module names (or name suffixes, e.g. ``"lm_head"``) to leave in floating point. Embeddings stay
+    floating point; a tied lm_head gets its own quantized copy (the embedding keeps its weights). The fraction of
+    weights the blocks hold exactly is in ``model.quantization_exact`` (int4)."""
     if scheme not in SCHEMES:
         raise UsageError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}.")
     targets = [(name, mod) for name, mod in model.named_modules()
                if name and _linear_like(mod) and not any(name == s or name.endswith("." + s) for s in skip)]
+    bad = [name for name, mod in targets if scheme == "int4" and mod.in_features % BLOCK]
+    if bad:
+        raise UsageError(f"int4 blocks need in_features % {BLOCK} == 0, but {bad[:3]} have "
+                         f"{[model.get_submodule(n).in_features for n in bad[:3]]}; use --draft-quantize int8.")
+    exact = total = 0
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        q = Int8Linear.from_linear(mod)
+        if scheme == "int8":
+            q = Int8Linear.from_linear(mod)
+        else:
+            q, fraction = BlockLinear.from_linear(mod, "q8_0" if child == "lm_head" else "q4_1")
+            n = mod.weight.numel()
+            exact, total = exact + fraction * n, total + n
         setattr(parent, child, q.to(mod.weight.device))
+    if scheme == "int4":
+        model.quantization_exact = exact / total if total else 1.0
     return model
 
 
 def load_quantized_state_dict_(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """Replace the Linear-like modules named in ``tensors`` (``<m>.qweight``) by ``Int8Linear`` with those values."""
-    names = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
+    """Replace the Linear-like modules named in ``tensors`` (``<m>.qweight`` int8, ``<m>.qs`` blocks) by their
+    quantized modules with those values."""
+    names = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".qweight", ".qs"))})
     if not names:
-        raise UsageError("no `<module>.qweight` tensors found: this is not an int8 weight file written by "
-                         "specbuild; rebuild the engine with `specbuild build --draft-quantize int8 --force`.")
+        raise UsageError("no `<module>.qweight` / `<module>.qs` tensors found: this is not a quantized weight file "
+                         "written by specbuild; rebuild the engine with `specbuild build --draft-quantize int8 "
+                         "--force`.")
     for name in names:
         try:
             old = model.get_submodule(name)
         except AttributeError as e:
-            raise UsageError(f"int8 weights name module {name!r}, which the model does not have; the weight file "
-                             "and the model config disagree: rebuild with `specbuild build --force`.") from e
-        q = Int8Linear(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], tensors.get(f"{name}.bias"))
+            raise UsageError(f"quantized weights name module {name!r}, which the model does not have; the weight "
+                             "file and the model config disagree: rebuild with `specbuild build --force`.") from e
+        if f"{name}.qweight" in tensors:
+            q = Int8Linear(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], tensors.get(f"{name}.bias"))
+        else:
+            q = BlockLinear(tensors[f"{name}.qs"], tensors[f"{name}.d"], tensors.get(f"{name}.m"),
+                            tensors.get(f"{name}.bias"))
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        dev = getattr(getattr(old, "weight", None), "device", q.qweight.device)
+        dev = getattr(getattr(old, "weight", None), "device", q.qs.device if isinstance(q, BlockLinear)
+                      else q.qweight.device)
         setattr(parent, child, q if dev.type == "meta" else q.to(dev))
     return model
 
 
-INT8_WEIGHTS = "model.int8.safetensors"   # engine-module names: Int8Linear .qweight/.scales(/.bias) + fp tensors
+def weights_file(scheme: str) -> str:
+    """``model.<scheme>.safetensors``: engine-module names, quantized linears + fp tensors."""
+    return f"model.{scheme}.safetensors"
 
 
-def save_int8_model(model: nn.Module, out_dir, *, hf_config: dict) -> dict:
+INT8_WEIGHTS = weights_file("int8")
+
+
+def save_quantized_model(model: nn.Module, out_dir, *, hf_config: dict, scheme: str) -> dict:
     """Write a quantized engine ``Transformer`` to ``out_dir``: ``config.json`` (the HF config, with a
-    ``specbuild_quantization`` entry) and ``model.int8.safetensors`` (every tensor, engine-module names)."""
+    ``specbuild_quantization`` entry) and ``model.<scheme>.safetensors`` (every tensor, engine-module names)."""
     import json
     from pathlib import Path
 
@@ -158,17 +322,20 @@ def save_int8_model(model: nn.Module, out_dir, *, hf_config: dict) -> dict:
             t = t.clone()
         seen.add(t.data_ptr())
         tensors[name] = t.contiguous()
-    save_file(tensors, str(out_dir / INT8_WEIGHTS), metadata={"format": "pt", "specbuild_quantization": "int8"})
-    n_q = sum(1 for m in model.modules() if isinstance(m, Int8Linear))
-    cfg = {**hf_config, "specbuild_quantization": {"scheme": "int8", "weights": INT8_WEIGHTS,
-                                                   "granularity": "per-output-channel", "quantized_linears": n_q}}
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return {"scheme": "int8", "weights": INT8_WEIGHTS, "quantized_linears": n_q,
-            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    weights = weights_file(scheme)
+    save_file(tensors, str(out_dir / weights), metadata={"format": "pt", "specbuild_quantization": scheme})
+    n_q = sum(1 for m in model.modules() if isinstance(m, (Int8Linear, BlockLinear)))
+    info = {"scheme": scheme, "weights": weights, "quantized_linears": n_q,
+            "granularity": "per-output-channel" if scheme == "int8" else f"blocks of {BLOCK} (Q4_1; lm_head Q8_0)"}
+    if scheme == "int4":
+        info["exact_fraction"] = getattr(model, "quantization_exact", None)
+    (out_dir / "config.json").write_text(json.dumps({**hf_config, "specbuild_quantization": info}, indent=2,
+                                                    sort_keys=True) + "\n")
+    return {**info, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
-def load_int8_model(model_dir, *, dtype="float32", device="cpu") -> nn.Module:
-    """Load a directory written by ``save_int8_model`` into the engine's ``Transformer`` (int8 linears)."""
+def load_quantized_model(model_dir, *, dtype="float32", device="cpu") -> nn.Module:
+    """Load a directory written by ``save_quantized_model`` into the engine's ``Transformer``."""
     import json
     from pathlib import Path
 
@@ -179,27 +346,25 @@ def load_int8_model(model_dir, *, dtype="float32", device="cpu") -> nn.Module:
     from specbuild.pipeline.errors import SourceError
 
     model_dir = Path(model_dir)
-    path = model_dir / INT8_WEIGHTS
-    if not path.is_file() or not (model_dir / "config.json").is_file():
-        raise SourceError(f"{model_dir} has no {INT8_WEIGHTS} + config.json: it is not an int8 draft written by "
-                          "`specbuild build --draft-quantize int8`; rebuild the engine.")
-    cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    cfg_path = model_dir / "config.json"
+    info = json.loads(cfg_path.read_text()).get("specbuild_quantization") if cfg_path.is_file() else None
+    path = model_dir / (info or {}).get("weights", INT8_WEIGHTS)
+    if not info or not path.is_file():
+        raise SourceError(f"{model_dir} has no quantized weights + config.json: it is not a draft written by "
+                          "`specbuild build --draft-quantize int8|int4`; rebuild the engine.")
+    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
     tensors = load_file(str(path))
     with torch.device("meta"):
         model = Transformer(cfg)
     load_quantized_state_dict_(model, tensors)
     dt = torch_dtype(dtype)
+    quantized = {n for n, m in model.named_modules() if isinstance(m, (Int8Linear, BlockLinear))}
     rest = {k: (v.to(dt) if v.is_floating_point() else v) for k, v in tensors.items()
-            if not k.endswith((".qweight", ".scales")) and not _is_int8_bias(model, k)}
+            if k.rsplit(".", 1)[0] not in quantized}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
-    missing = [k for k in missing if not k.endswith((".qweight", ".scales", ".bias"))]
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in quantized]
     if missing or unexpected:
         raise SourceError(f"{path}: tensors do not match the model config (missing {missing[:3]}, unexpected "
                           f"{unexpected[:3]}); rebuild with `specbuild build --force`.")
     model.inv_freq = rope_inv_freq(cfg)
     return model.to(device).eval().requires_grad_(False)
-
-
-def _is_int8_bias(model: nn.Module, key: str) -> bool:
-    owner, _, leaf = key.rpartition(".")
-    return leaf == "bias" and isinstance(model.get_submodule(owner), Int8Linear)

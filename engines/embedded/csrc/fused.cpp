@@ -1,0 +1,424 @@
+// specbuild fused CPU decode step: the embedded engine's transformer layers in one call, and block-quantized
+// GEMV kernels (Q4_1, Q8_0: the GGUF block layouts) for a cheap self-draft. Built by `make setup` through
+// torch.utils.cpp_extension (engines/embedded/fused.py); the engine falls back to eager PyTorch without it.
+//
+// Why: a decode step of a small model in eager PyTorch is ~750 ATen calls from Python (norms, RoPE, cache
+// writes, attention, activations: ~15-20 us each of dispatch around microseconds of work). Here one call runs
+// every layer: the linears still go to oneDNN (fp32, weights reordered once) or to the block kernels below, the
+// rest are plain loops over the rows, with the GIL released for the whole forward.
+//
+// Rows are ragged: row r is token r of some sequence, written to KV-cache slot `slots[r]` at position `pos[r]`,
+// attending to positions 0..pos[r] of that slot. Every row's K/V of a layer is written before that layer's
+// attention, so rows of one sequence in the same call see each other (a verify of [last, d1..dK], a prefill).
+// No padding, no masks.
+//
+// Numerics: built with -ffp-contract=off, so a block weight is dequantized exactly as gguf-py / transformers do
+// it (d * q, then + m, each rounded to fp32) and a kernel's product x * w is the one the fp32 target computes
+// with its (dequantized) weight. Each output is a dot product in one fixed order whatever the number of rows,
+// so a row's result does not depend on the other rows of the batch (batch invariance).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+namespace {
+
+// AVX2 + FMA (x86-64 since 2013; where they are missing the build fails and the engine runs eager PyTorch).
+
+inline float hsum8(__m256 v) {                   // one fixed order: ((0+1)+(2+3)) + ((4+5)+(6+7))
+  alignas(32) float a[8];
+  _mm256_store_ps(a, v);
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+// dot of two float vectors of length n (n % 8 == 0), one fixed order
+inline float dot8(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum8(acc);
+}
+
+// exp(x) for 8 floats: 2^n * 2^f, f in [-0.5, 0.5], a degree-6 polynomial (relative error ~2e-7); exp(-inf) = 0
+inline __m256 exp8(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-103.0f));
+  __m256 t = _mm256_mul_ps(x, log2e);
+  __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_sub_ps(t, n);                                        // 2^f, f in [-0.5, 0.5]
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 scale = _mm256_castsi256_ps(e);
+  __m256 out = _mm256_mul_ps(p, scale);
+  return _mm256_and_ps(out, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));   // underflow: 0
+}
+
+constexpr int64_t QK = 32;        // block size of Q4_1 and Q8_0
+
+// ---- block dequantization: exactly gguf-py's (d * q) + m in fp32 (a multiply, then an add: no fma) ----------
+inline void dequant_q4_1(const uint8_t* qs, float d, float m, __m256 w[4]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(b, mask);                       // byte j: element j (low nibble), j + 16 (high)
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int j = 0; j < 4; j++)
+    w[j] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), dv), mv);
+}
+
+inline void dequant_q8_0(const int8_t* qs, float d, __m256 w[4]) {
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int j = 0; j < 4; j++) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * j));
+    w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), dv);
+  }
+}
+
+// A row's dot product with a block-quantized weight row runs in 4 independent chains of vector accumulators (one
+// chain would wait on every fma's latency), summed in one fixed order at the end: the same for any number of rows.
+// The AVX-512 form holds a block in two 16-float vectors (chains: vector j of even / odd blocks), the AVX2 form in
+// four 8-float ones (chain = vector j), so a machine's results depend on its build only.
+#if defined(__AVX512F__)
+typedef __m512 Vec;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(Vec a) {
+  alignas(64) float v[16];
+  _mm512_store_ps(v, a);
+  float s[8];
+  for (int i = 0; i < 8; i++) s[i] = v[i] + v[i + 8];
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+constexpr int VW = 16, VPB = 2;                  // floats per vector, vectors per block
+inline void block_q4_1(const uint8_t* qs, float d, float m, Vec* w) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  w[0] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask))), dv), mv);
+  w[1] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask))), dv), mv);
+}
+inline void block_q8_0(const int8_t* qs, float d, Vec* w) {
+  const __m512 dv = _mm512_set1_ps(d);
+  for (int j = 0; j < 2; j++)
+    w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j)))), dv);
+}
+inline int chain(int64_t b, int j) { return static_cast<int>((b & 1) * 2 + j); }
+#else
+typedef __m256 Vec;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(Vec a) { return hsum8(a); }
+constexpr int VW = 8, VPB = 4;
+inline void block_q4_1(const uint8_t* qs, float d, float m, Vec* w) { dequant_q4_1(qs, d, m, w); }
+inline void block_q8_0(const int8_t* qs, float d, Vec* w) { dequant_q8_0(qs, d, w); }
+inline int chain(int64_t, int j) { return j; }
+#endif
+
+inline float chains_sum(const Vec* c) { return vsum(vadd(vadd(c[0], c[1]), vadd(c[2], c[3]))); }
+
+// y[M, N] = x[M, K] @ W^T (+ bias) for a block-quantized W [N, K]; `kind` 1 = Q4_1, 2 = Q8_0.
+// qs: Q4_1 uint8 [N, K/32, 16] | Q8_0 int8 [N, K/32, 32]; d (and m for Q4_1): float32 [N, K/32].
+void block_gemm(int kind, const float* x, int64_t M, int64_t K, const void* qs, const float* d, const float* m,
+                const float* bias, float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  const int64_t qbytes = kind == 1 ? 16 : 32;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(M > 4 ? K : 0);
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* q = static_cast<const uint8_t*>(qs) + n * nb * qbytes;
+      const float* dn = d + n * nb;
+      const float* mn = kind == 1 ? m + n * nb : nullptr;
+      auto block = [&](int64_t b, Vec* w) {
+        if (kind == 1) block_q4_1(q + b * qbytes, dn[b], mn[b], w);
+        else block_q8_0(reinterpret_cast<const int8_t*>(q + b * qbytes), dn[b], w);
+      };
+      if (M <= 4) {                                 // decode / short verify: dequantize once, use in registers
+        Vec acc[4][4];
+        for (int64_t r = 0; r < M; r++)
+          for (int c = 0; c < 4; c++) acc[r][c] = vzero();
+        for (int64_t b = 0; b < nb; b++) {
+          Vec w[VPB];
+          block(b, w);
+          for (int64_t r = 0; r < M; r++)
+            for (int j = 0; j < VPB; j++) {
+              Vec& a = acc[r][chain(b, j)];
+              a = vfma(w[j], vload(x + r * K + b * QK + j * VW), a);
+            }
+        }
+        for (int64_t r = 0; r < M; r++) y[r * N + n] = chains_sum(acc[r]) + (bias ? bias[n] : 0.f);
+      } else {                                      // more rows: dequantize the row once, then M dot products
+        for (int64_t b = 0; b < nb; b++) {
+          Vec w[VPB];
+          block(b, w);
+          for (int j = 0; j < VPB; j++) std::memcpy(row.data() + b * QK + j * VW, &w[j], sizeof(Vec));
+        }
+        for (int64_t r = 0; r < M; r++) {          // the same chains and order as the register path
+          Vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+          const float* xr = x + r * K;
+          for (int64_t b = 0; b < nb; b++)
+            for (int j = 0; j < VPB; j++) {
+              Vec& a = acc[chain(b, j)];
+              a = vfma(vload(row.data() + b * QK + j * VW), vload(xr + b * QK + j * VW), a);
+            }
+          y[r * N + n] = chains_sum(acc) + (bias ? bias[n] : 0.f);
+        }
+      }
+    }
+  });
+}
+
+// ---- one linear layer of any kind the engine holds --------------------------------------------------------
+enum Kind { PACKED_FP32 = 0, Q4_1 = 1, Q8_0 = 2, DENSE = 3, INT8_ROWWISE = 4 };
+
+struct Linear {
+  int64_t kind = DENSE;
+  torch::Tensor w, qs, d, m, bias, prefill;      // prefill: an fp32 oneDNN copy for many rows (int8), or undefined
+  int64_t prefill_min_rows = 1 << 30;
+  int64_t N = 0, K = 0;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {   // x [M, K] float32 contiguous -> [M, N]
+    const int64_t M = x.size(0);
+    if (kind == PACKED_FP32 || (prefill.defined() && M >= prefill_min_rows)) {
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+      torch::jit::Stack st;
+      st.emplace_back(x);
+      st.emplace_back(kind == PACKED_FP32 ? w : prefill);
+      st.emplace_back(bias.defined() ? c10::IValue(bias) : c10::IValue());
+      st.emplace_back(std::string("none"));
+      st.emplace_back(c10::List<std::optional<at::Scalar>>());
+      st.emplace_back(std::string(""));
+      op.callBoxed(&st);
+      return st[0].toTensor();
+    }
+    if (kind == Q4_1 || kind == Q8_0) {
+      auto y = torch::empty({M, N}, x.options());
+      block_gemm(kind, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
+                 kind == Q4_1 ? m.data_ptr<float>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+                 y.data_ptr<float>(), N);
+      return y;
+    }
+    if (kind == INT8_ROWWISE) {                     // torch's int8 weight-only kernel, bf16 activations
+      auto y = at::_weight_int8pack_mm(x.to(torch::kBFloat16), w, d).to(torch::kFloat32);
+      return bias.defined() ? y + bias : y;
+    }
+    return at::linear(x, w, bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+  }
+};
+
+Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                   torch::Tensor bias, torch::Tensor prefill, int64_t prefill_min_rows, int64_t N, int64_t K) {
+  auto opt = [](torch::Tensor t) { return t.defined() && t.numel() > 0 ? t : torch::Tensor(); };  // empty = none
+  Linear l;
+  l.kind = kind; l.w = opt(w); l.qs = opt(qs); l.d = opt(d); l.m = opt(m); l.bias = opt(bias); l.prefill = opt(prefill);
+  l.prefill_min_rows = prefill_min_rows; l.N = N; l.K = K;
+  TORCH_CHECK((kind != Q4_1 && kind != Q8_0) || K % QK == 0, "block-quantized linear needs in_features % 32 == 0");
+  return l;
+}
+
+inline void rms_norm_rows(const float* x, const float* w, float* out, int64_t N, int64_t H, double eps) {
+  for (int64_t r = 0; r < N; r++) {
+    const float* xr = x + r * H;
+    float ss = dot8(xr, xr, H);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+    float* o = out + r * H;
+    for (int64_t i = 0; i < H; i++) o[i] = w[i] * (xr[i] * inv);
+  }
+}
+
+struct Layer {
+  torch::Tensor in_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+class Runner {
+ public:
+  Runner(int64_t hidden, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t inter, double eps,
+         torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> vc)
+      : H(hidden), nh(n_heads), nkv(n_kv), hd(head_dim), inter(inter), eps(eps), cos(cos), sin(sin), kc(kc), vc(vc) {
+    TORCH_CHECK(hd % 16 == 0 && H % 8 == 0 && inter % 8 == 0, "fused runner: sizes must be multiples of 8");
+  }
+
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, Linear qkv, Linear o, Linear gate_up,
+                 Linear down) {
+    layers.push_back(Layer{in_norm, post_norm, qkv, o, gate_up, down});
+  }
+
+  // x [N, H] float32 (the embedded tokens), slots/pos [N] int64 -> hidden states [N, H] after every layer
+  torch::Tensor forward(torch::Tensor x, torch::Tensor slots, torch::Tensor pos) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.scalar_type() == torch::kFloat32, "x must be [N, hidden] fp32");
+    TORCH_CHECK(static_cast<int64_t>(layers.size()) == static_cast<int64_t>(kc.size()), "runner: layers != cache");
+    py::gil_scoped_release nogil;
+    x = x.contiguous().clone();
+    const int64_t N = x.size(0);
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t* ps = pos.data_ptr<int64_t>();
+    const int64_t S = kc[0].size(2);
+    for (int64_t r = 0; r < N; r++)
+      TORCH_CHECK(ps[r] >= 0 && ps[r] < S && ps[r] < cos.size(0) && sl[r] >= 0 && sl[r] < kc[0].size(0),
+                  "fused runner: position or slot out of range");
+    auto h = torch::empty({N, H}, x.options());
+    auto att = torch::empty({N, nh * hd}, x.options());
+    for (size_t li = 0; li < layers.size(); li++) {
+      const Layer& L = layers[li];
+      float* xp = x.data_ptr<float>();
+      rms_norm_rows(xp, L.in_norm.data_ptr<float>(), h.data_ptr<float>(), N, H, eps);
+      auto qkv = L.qkv(h).contiguous();                 // [N, (nh + 2 nkv) * hd]
+      rope_and_write(qkv, sl, ps, N, kc[li], vc[li]);
+      attention(qkv, sl, ps, N, kc[li], vc[li], att);
+      add_into(xp, L.o(att).contiguous(), N * H);
+      rms_norm_rows(xp, L.post_norm.data_ptr<float>(), h.data_ptr<float>(), N, H, eps);
+      auto gu = L.gate_up(h).contiguous();              // [N, 2 inter]: gate | up
+      auto a = torch::empty({N, inter}, x.options());
+      silu_mul(gu.data_ptr<float>(), a.data_ptr<float>(), N);
+      add_into(xp, L.down(a).contiguous(), N * H);
+    }
+    return x;
+  }
+
+ private:
+  int64_t H, nh, nkv, hd, inter;
+  double eps;
+  torch::Tensor cos, sin;                 // [max_pos, hd]; sin sign-folded: rotate_half(x) * sin == roll(x) * sin'
+  std::vector<torch::Tensor> kc, vc;      // per layer [slots + 1, nkv, S, hd]
+  std::vector<Layer> layers;
+
+  static void add_into(float* x, const torch::Tensor& y, int64_t n) {
+    const float* yp = y.data_ptr<float>();
+    for (int64_t i = 0; i < n; i++) x[i] += yp[i];
+  }
+
+  void silu_mul(const float* gu, float* out, int64_t N) const {       // silu(g) * u = g / (1 + e^-g) * u
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = 0; r < N; r++) {
+      const float* g = gu + r * 2 * inter;
+      const float* u = g + inter;
+      float* o = out + r * inter;
+      for (int64_t i = 0; i < inter; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+      }
+    }
+  }
+
+  // RoPE on the q and k heads of every row (in place: x*cos + roll(x, hd/2)*sin'), then K and V into the cache
+  void rope_and_write(torch::Tensor& qkv, const int64_t* sl, const int64_t* ps, int64_t N, torch::Tensor& kcache,
+                      torch::Tensor& vcache) const {
+    const int64_t width = (nh + 2 * nkv) * hd, half = hd / 2, S = kcache.size(2);
+    float* base = qkv.data_ptr<float>();
+    const float* cs = cos.data_ptr<float>();
+    const float* sn = sin.data_ptr<float>();
+    float* kp = kcache.data_ptr<float>();
+    float* vp = vcache.data_ptr<float>();
+    std::vector<float> tmp(hd);
+    for (int64_t r = 0; r < N; r++) {
+      float* row = base + r * width;
+      const float* c = cs + ps[r] * hd;
+      const float* s = sn + ps[r] * hd;
+      for (int64_t j = 0; j < nh + nkv; j++) {
+        float* v = row + j * hd;
+        std::memcpy(tmp.data(), v, hd * sizeof(float));
+        for (int64_t i = 0; i < hd; i++) {
+          const float rolled = i < half ? tmp[i + half] : tmp[i - half];
+          v[i] = tmp[i] * c[i] + rolled * s[i];
+        }
+      }
+      for (int64_t j = 0; j < nkv; j++) {
+        const int64_t at = ((sl[r] * nkv + j) * S + ps[r]) * hd;
+        std::memcpy(kp + at, row + (nh + j) * hd, hd * sizeof(float));
+        std::memcpy(vp + at, row + (nh + nkv + j) * hd, hd * sizeof(float));
+      }
+    }
+  }
+
+  // att[r, h] = softmax(q_rh . K[slot_r, h/g, 0..pos_r] / sqrt(hd)) . V[...]  (GQA: g = nh / nkv)
+  void attention(const torch::Tensor& qkv, const int64_t* sl, const int64_t* ps, int64_t N,
+                 const torch::Tensor& kcache, const torch::Tensor& vcache, torch::Tensor& att) const {
+    const int64_t width = (nh + 2 * nkv) * hd, S = kcache.size(2), group = nh / nkv;
+    const float* qb = qkv.data_ptr<float>();
+    const float* kp = kcache.data_ptr<float>();
+    const float* vp = vcache.data_ptr<float>();
+    float* out = att.data_ptr<float>();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    int64_t work = 0;
+    for (int64_t r = 0; r < N; r++) work += (ps[r] + 1) * nh;
+    const int64_t grain = work > 32768 ? 1 : N * nh;    // small steps: no thread fork/join
+    at::parallel_for(0, N * nh, grain, [&](int64_t t0, int64_t t1) {
+      std::vector<float> sc(S + 8);
+      for (int64_t t = t0; t < t1; t++) {
+        const int64_t r = t / nh, h = t % nh, kvh = h / group, n = ps[r] + 1;
+        const float* q = qb + r * width + h * hd;
+        const float* kr = kp + ((sl[r] * nkv + kvh) * S) * hd;
+        const float* vr = vp + ((sl[r] * nkv + kvh) * S) * hd;
+        float mx = -INFINITY;
+        for (int64_t p = 0; p < n; p++) {
+          sc[p] = dot8(q, kr + p * hd, hd) * scale;
+          mx = sc[p] > mx ? sc[p] : mx;
+        }
+        const int64_t n8 = (n + 7) / 8 * 8;
+        for (int64_t p = n; p < n8; p++) sc[p] = -INFINITY;            // exp -> 0: the tail adds nothing
+        __m256 sumv = _mm256_setzero_ps();
+        const __m256 mxv = _mm256_set1_ps(mx);
+        for (int64_t p = 0; p < n8; p += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.data() + p), mxv));
+          _mm256_storeu_ps(sc.data() + p, e);
+          sumv = _mm256_add_ps(sumv, e);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sumv));
+        float* o = out + r * nh * hd + h * hd;
+        for (int64_t i = 0; i < hd; i += 8) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t p = 0; p < n; p++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[p]), _mm256_loadu_ps(vr + p * hd + i), acc);
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(acc, inv));
+        }
+      }
+    });
+  }
+};
+
+torch::Tensor block_linear(int64_t kind, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                           torch::Tensor bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32");
+  auto y = torch::empty({M, N}, x.options());
+  py::gil_scoped_release nogil;
+  block_gemm(static_cast<int>(kind), x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
+             m.defined() && m.numel() ? m.data_ptr<float>() : nullptr,
+             bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.doc() = "specbuild fused CPU decode step and block-quantized (Q4_1, Q8_0) GEMV kernels";
+  py::class_<Linear>(mod, "Linear");
+  mod.def("make_linear", &make_linear);
+  mod.def("block_linear", &block_linear, "y = x @ W^T (+ bias) for a Q4_1 (kind 1) / Q8_0 (kind 2) W");
+  py::class_<Runner>(mod, "Runner")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
+      .def("add_layer", &Runner::add_layer)
+      .def("forward", &Runner::forward);
+}

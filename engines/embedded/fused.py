@@ -1,0 +1,246 @@
+"""The fused CPU decode step (csrc/fused.cpp): building it, probing it, and running a model's layers through it.
+
+    python -m specbuild.engines.embedded.fused build     # what `make setup` runs; prints what it built
+    python -m specbuild.engines.embedded.fused status    # is it built here, and why not
+
+A decode step of a small model in eager PyTorch is hundreds of ATen calls from Python; the fused runner runs all
+of a model's layers in one C++ call (the linears still on oneDNN, or on the block-quantized kernels of quant.py),
+with ragged rows instead of padded ones and the GIL released (kernels and numerics: csrc/fused.cpp).
+
+The extension is compiled on this machine (`-march=native`; its name carries a hash of the source, the flags,
+the torch version and this CPU's model and flags, so a different machine or source builds its own) into
+`$SPECBUILD_CACHE/torch_extensions/`. Building needs a C++ compiler and ninja (~1 minute); it happens in
+`make setup` and, when missing, in `specbuild build`. Serving only loads a built extension: where there is none
+the engine runs eager PyTorch and says why once (`status()`), so every test and every stage still works.
+
+`decode_step` (EngineConfig): "auto" (fused where built and the model is supported, else eager), "fused"
+(required: refuse to load without it), "eager".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+from specbuild.engines.embedded.config import DECODE_STEPS  # noqa: F401
+PACKED_FP32, Q4_1, Q8_0, DENSE, INT8_ROWWISE = 0, 1, 2, 3, 4
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+_EXT = None                    # the loaded module
+_WHY: str | None = None        # why it is not loaded (None: not tried yet, or loaded)
+_TRIED = False
+
+
+def _source() -> Path:
+    return Path(str(resources.files("specbuild.engines.embedded") / "csrc" / "fused.cpp"))
+
+
+def _cpu_id() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next((ln for ln in info.splitlines() if ln.startswith("model name")), "")
+        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+        return model + flags
+    except OSError:
+        return platform.processor()
+
+
+def extension_name() -> str:
+    h = hashlib.sha256()
+    for part in (_source().read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_id().encode(),
+                 sys.version.encode()):
+        h.update(part)
+    return f"specbuild_fused_{h.hexdigest()[:16]}"
+
+
+def build_dir() -> Path:
+    from specbuild.pipeline.sources import cache_dir
+
+    return cache_dir() / "torch_extensions" / extension_name()
+
+
+def _load(build: bool) -> object | None:
+    """Import the extension from its build directory (compiling it first when `build`). None + the reason in
+    `_WHY` when it cannot be had."""
+    global _EXT, _WHY, _TRIED
+    if _EXT is not None:
+        return _EXT
+    if _TRIED and not build:
+        return None
+    _TRIED = True
+    if os.environ.get("SPECBUILD_DECODE_STEP", "").strip().lower() == "eager":
+        _WHY = "SPECBUILD_DECODE_STEP=eager"
+        return None
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        _WHY = f"the fused decode step is built for x86-64 Linux, this is {sys.platform}/{platform.machine()}"
+        return None
+    out = build_dir()
+    name = extension_name()
+    if not build and not (out / f"{name}.so").is_file():
+        _WHY = (f"not built on this machine ({out}); run `make setup` or "
+                "`python -m specbuild.engines.embedded.fused build`")
+        return None
+    from torch.utils import cpp_extension
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        _EXT = cpp_extension.load(name=name, sources=[str(_source())], extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: the engine runs eager
+        _WHY = f"building the fused decode step failed ({type(e).__name__}: {str(e).strip().splitlines()[-1:]})"
+        log.warning("%s; the engine runs eager PyTorch", _WHY)
+        return None
+    _WHY = None
+    return _EXT
+
+
+def extension(build: bool = False):
+    """The loaded extension module, or None (see `status()`)."""
+    return _load(build)
+
+
+def status() -> str:
+    ext = extension()
+    return f"fused ({extension_name()})" if ext is not None else f"eager: {_WHY}"
+
+
+def block_linear(kind: int, x: torch.Tensor, qs, d, m, bias, out_features: int) -> torch.Tensor | None:
+    """y = x @ W^T for a block-quantized W on the extension's kernel; None when it is not built."""
+    ext = extension()
+    if ext is None:
+        return None
+    empty = torch.empty(0)
+    return ext.block_linear(kind, x, qs, d, m if m is not None else empty, bias if bias is not None else empty,
+                            out_features)
+
+
+# ---- the model's layers as a runner -------------------------------------------------------------------------
+def _linear(ext, mod: nn.Module):
+    """The extension's Linear for one of the engine's linear modules, or None (a kind it cannot run)."""
+    from specbuild.engines.embedded.kernels import PackedLinear
+    from specbuild.engines.embedded.quant import BlockLinear, Int8Linear
+
+    none = torch.empty(0)
+    bias = getattr(mod, "bias", None)
+    bias = none if bias is None else bias.detach().float().contiguous()
+    if isinstance(mod, PackedLinear):
+        return ext.make_linear(PACKED_FP32, mod.packed, none, none, none, bias, none, 1 << 30,
+                               mod.out_features, mod.in_features)
+    if isinstance(mod, BlockLinear):
+        prefill = mod.prefill_weight()
+        return ext.make_linear(mod.kind, none, mod.qs, mod.d, mod.m if mod.m is not None else none, bias,
+                               prefill if prefill is not None else none, mod.prefill_min_rows, mod.out_features,
+                               mod.in_features)
+    if isinstance(mod, Int8Linear):
+        prefill = mod.prefill_packed if mod.prefill_packed is not None else none
+        return ext.make_linear(INT8_ROWWISE, mod.qweight, none, mod.scales_bf16, none, bias, prefill,
+                               mod.prefill_min_rows, mod.out_features, mod.in_features)
+    if type(mod) is nn.Linear and mod.weight.dtype == torch.float32:
+        return ext.make_linear(DENSE, mod.weight.detach(), none, none, none, bias, none, 1 << 30,
+                               mod.out_features, mod.in_features)
+    return None
+
+
+def runner_for(model, cache, mode: str = "auto"):
+    """A Runner of `model`'s layers over `cache` (kept on the cache, one per model), or None: eager. `mode` "fused"
+    raises instead of falling back."""
+    if mode == "eager":
+        return None
+    runners = cache.__dict__.setdefault("_fused_runners", {})
+    key = id(model)
+    if key in runners:
+        return runners[key]
+    why = _unsupported(model, cache)
+    ext = None if why else extension()
+    if why is None and ext is None:
+        why = _WHY
+    runner = None
+    if why is None:
+        runner = _make_runner(ext, model, cache)
+        if runner is None:
+            why = "a linear layer of a kind the fused step does not run"
+    if runner is None and mode == "fused":
+        raise RuntimeError(f"decode_step='fused' but {why}; use decode_step 'auto' or 'eager'.")
+    runners[key] = runner
+    return runner
+
+
+def decode_step_of(model, cache) -> str:
+    """"fused" when forwards of `model` over `cache` run on the fused step, else "eager" (what a manifest, a
+    calibration or a benchmark records)."""
+    return "fused" if runner_for(model, cache, getattr(cache, "decode_step", "auto")) is not None else "eager"
+
+
+def _unsupported(model, cache) -> str | None:
+    c = model.cfg
+    w = model.embed.weight
+    if w.device.type != "cpu" or w.dtype != torch.float32 or cache.k[0].dtype != torch.float32:
+        return f"the fused step runs fp32 on CPU (this model: {w.dtype} on {w.device.type})"
+    if c.head_dim % 16 or c.hidden_size % 8 or c.intermediate_size % 8:
+        return "head_dim must be a multiple of 16 and hidden / intermediate sizes multiples of 8"
+    return None
+
+
+def _make_runner(ext, model, cache):
+    cos, sin = model.rope_tables(cache.max_seq)
+    r = ext.Runner(model.cfg.hidden_size, model.cfg.num_heads, model.cfg.num_kv_heads, model.cfg.head_dim,
+                   model.cfg.intermediate_size, float(model.cfg.rms_norm_eps), cos.contiguous(), sin.contiguous(),
+                   list(cache.k), list(cache.v))
+    for layer in model.layers:
+        lins = [_linear(ext, m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(x is None for x in lins):
+            return None
+        r.add_layer(layer.input_norm.weight.detach().float().contiguous(),
+                    layer.post_norm.weight.detach().float().contiguous(), *lins)
+    return r
+
+
+def build(progress=print) -> bool:
+    """Compile (or find) the extension for this machine and check it against eager PyTorch. -> built or not."""
+    global _EXT, _WHY
+    t0 = time.perf_counter()
+    ext = extension(build=True)
+    if ext is None:
+        progress(f"fused decode step: not built ({_WHY}); the embedded engine runs eager PyTorch")
+        return False
+    from specbuild.engines.embedded.quant import dequantize_blocks, quantize_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    for scheme, kind in (("q4_1", Q4_1), ("q8_0", Q8_0)):
+        qs, d, m, _ = quantize_blocks(w, scheme)
+        ref = x @ dequantize_blocks(qs, d, m, scheme).T
+        got = ext.block_linear(kind, x, qs, d, m if m is not None else torch.empty(0), torch.empty(0), 40)
+        if not torch.allclose(got, ref, rtol=1e-4, atol=1e-4):
+            progress(f"fused decode step: the {scheme} kernel disagrees with PyTorch here; not used")
+            _EXT, _WHY = None, f"the {scheme} kernel disagreed with PyTorch when probed"
+            return False
+    progress(f"fused decode step: built and checked in {time.perf_counter() - t0:.0f} s ({build_dir()})")
+    return True
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["build"]:
+        build()
+        return 0            # never fails setup: without it the engine runs eager
+    if args[:1] == ["status"]:
+        print(status())
+        return 0
+    print("usage: python -m specbuild.engines.embedded.fused build|status", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

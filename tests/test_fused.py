@@ -1,0 +1,151 @@
+"""The fused CPU decode step (engines/embedded/fused.py, csrc/fused.cpp) and the block-quantized int4 draft.
+
+The extension is built by `make setup`; where it is not built these tests skip with the reason and the engine
+runs eager (every other test then exercises the eager path).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specbuild.engines.embedded import Engine, SamplingParams, fused
+from specbuild.engines.embedded.kvcache import KVCache
+from specbuild.engines.embedded.model import ragged_forward
+from specbuild.engines.embedded.quant import BlockLinear, dequantize_blocks, quantize_blocks, quantize_model_
+from specbuild.engines.embedded.weights import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+needs_ext = pytest.mark.skipif(fused.extension() is None, reason=f"fused decode step: {fused.status()}")
+
+
+def _cache(model, mode, slots=4, max_seq=160):
+    c = model.cfg
+    return KVCache(num_layers=c.num_layers, num_slots=slots, kv_heads=c.num_kv_heads, max_seq=max_seq,
+                   head_dim=c.head_dim, dtype=torch.float32, device="cpu", decode_step=mode)
+
+
+# ---- blocks: exactly gguf-py's ---------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
+def test_blocks_of_a_dequantized_gguf_weight_are_recovered_bit_for_bit(scheme):
+    """gguf-py (upstream's own code) quantizes and dequantizes; our quantizer finds the very same blocks back."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType.Q4_1 if scheme == "q4_1" else GGMLQuantizationType.Q8_0
+    w = np.random.default_rng(0).standard_normal((48, 128)).astype(np.float32)
+    raw = quants.quantize(w, qtype)                                       # [48, bytes per row]
+    deq = torch.from_numpy(quants.dequantize(raw, qtype))
+    qs, d, m, exact = quantize_blocks(deq, scheme)
+    assert exact == 1.0
+    assert torch.equal(dequantize_blocks(qs, d, m, scheme), deq)
+    blocks = raw.reshape(48, 4, -1)                                       # per block: d (fp16) [m (fp16)] qs
+    assert np.array_equal(d.half().numpy().view(np.uint8).reshape(48, 4, 2), blocks[..., :2])
+    if scheme == "q4_1":
+        assert np.array_equal(m.half().numpy().view(np.uint8).reshape(48, 4, 2), blocks[..., 2:4])
+        assert np.array_equal(qs.numpy(), blocks[..., 4:])
+    else:
+        assert np.array_equal(qs.numpy().view(np.uint8), blocks[..., 2:])
+    # an ordinary weight is not a GGUF's: plain min/max blocks, close but not exact
+    plain = torch.from_numpy(w)
+    qs2, d2, m2, exact2 = quantize_blocks(plain, scheme)
+    assert exact2 < 0.5
+    err = (dequantize_blocks(qs2, d2, m2, scheme) - plain).abs().max()
+    assert err <= (0.3 if scheme == "q4_1" else 0.03) * plain.abs().max()
+
+
+@needs_ext
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 20])
+def test_block_kernel_computes_what_the_dequantized_linear_computes(scheme, rows):
+    gen = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(96, 40, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96, generator=gen))
+    q, _ = BlockLinear.from_linear(lin, scheme)
+    x = torch.randn(rows, 96, generator=gen)
+    ref = torch.nn.functional.linear(x, q.dense_weight(), lin.bias)
+    got = fused.block_linear(q.kind, x, q.qs, q.d, q.m, q.bias, 40)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    # one row's output does not depend on the others (one fixed order of additions per output)
+    alone = fused.block_linear(q.kind, x[:1].clone(), q.qs, q.d, q.m, q.bias, 40)
+    assert torch.equal(alone[0], got[0])
+
+
+# ---- the fused layers against eager PyTorch ------------------------------------------------------------------
+@needs_ext
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_fused_layers_compute_what_eager_computes(arch, request):
+    model = load_model(request.getfixturevalue(arch), dtype="float32")
+    eager, fast = _cache(model, "eager"), _cache(model, "fused")
+    assert fused.decode_step_of(model, fast) == "fused" and fused.decode_step_of(model, eager) == "eager"
+    prompts = [[5, 9, 14, 2, 7] * 6, [3, 4] * 9, [11] * 3]
+    for cache in (eager, fast):                                           # ragged prefill into three slots
+        ragged_forward(model, cache, [0, 2, 3], [0, 0, 0], prompts, "none")
+    # then a ragged step: a verify of 4 positions, a decode step, a second prompt chunk
+    rows, starts = [[6, 1, 8, 8], [9], [12, 13]], [30, 18, 3]
+    le = ragged_forward(model, eager, [0, 2, 3], starts, rows, "all")
+    lf = ragged_forward(model, fast, [0, 2, 3], starts, rows, "all")
+    torch.testing.assert_close(lf, le, rtol=1e-4, atol=2e-4)
+    assert torch.equal(lf.argmax(-1), le.argmax(-1))
+    for layer in range(model.cfg.num_layers):                             # the caches hold the same K/V
+        torch.testing.assert_close(fast.k[layer][:4, :, :34], eager.k[layer][:4, :, :34], rtol=1e-4, atol=2e-4)
+
+
+@needs_ext
+def test_fused_rows_do_not_depend_on_who_shares_the_batch(tiny_llama):
+    model = load_model(tiny_llama, dtype="float32")
+    from specbuild.engines.embedded.kernels import pack_linears_
+
+    pack_linears_(model)
+    a, b = _cache(model, "fused"), _cache(model, "fused")
+    p = [7, 8, 9, 10, 11, 12]
+    alone = ragged_forward(model, a, [1], [0], [p], "all")
+    batched = ragged_forward(model, b, [0, 1, 2], [0, 0, 0], [[3, 3, 3], p, [4] * 10], "all")
+    assert torch.equal(batched[3:9], alone)
+
+
+def test_a_required_fused_step_that_is_missing_is_refused(tiny_llama, monkeypatch):
+    model = load_model(tiny_llama, dtype="float32")
+    monkeypatch.setattr(fused, "_EXT", None)
+    monkeypatch.setattr(fused, "_TRIED", True)
+    monkeypatch.setattr(fused, "_WHY", "not built on this machine (test)")
+    with pytest.raises(RuntimeError, match="decode_step='fused' but not built on this machine"):
+        fused.runner_for(model, _cache(model, "fused"), "fused")
+    assert fused.runner_for(model, _cache(model, "auto"), "auto") is None        # auto: eager, not an error
+
+
+# ---- the int4 self-draft ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("draft_kv", ["shared", "own"])
+def test_an_int4_self_draft_is_lossless(tiny_llama, draft_kv):
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=192, draft_kv=draft_kv,
+                                  draft_quantize="int4", online_costs=False)
+    assert any(isinstance(m, BlockLinear) for m in eng.draft.modules())
+    assert isinstance(eng.draft.lm_head, BlockLinear) and eng.draft.lm_head.scheme == "q8_0"
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]
+    plain = [eng.generate(p, params, num_draft_tokens=0).token_ids for p in prompts]
+    spec = eng.generate_batch([(p, params, 4) for p in prompts], proposer="draft")
+    assert [o.token_ids for o in spec] == plain
+    assert sum(o.stats.num_draft_tokens for o in spec) > 0
+
+
+def test_int4_of_a_gguf_derived_model_holds_the_targets_weights(tiny_llama):
+    """A model whose weights are dequantized Q4_1 / Q8_0 blocks (as the demo target is): the int4 draft's weights
+    equal the target's, so its logits differ only by the order of additions."""
+    from gguf import GGMLQuantizationType, quants
+
+    model = load_model(tiny_llama, dtype="float32")
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                qtype = GGMLQuantizationType.Q8_0 if name == "lm_head" else GGMLQuantizationType.Q4_1
+                w = mod.weight.detach().numpy()
+                mod.weight.copy_(torch.from_numpy(quants.dequantize(quants.quantize(w, qtype), qtype)))
+    draft = load_model(tiny_llama, dtype="float32")
+    draft.load_state_dict(model.state_dict())
+    quantize_model_(draft, "int4")
+    assert draft.quantization_exact == 1.0
+    for name, mod in draft.named_modules():
+        if isinstance(mod, BlockLinear):
+            assert torch.equal(mod.dense_weight(), model.get_submodule(name).weight)
