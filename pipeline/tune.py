@@ -166,93 +166,47 @@ def machine() -> dict[str, Any]:
             "specbuild": __version__, "host": platform.node()}
 
 
+@dataclass
+class _Plan:
+    """What tune runs, settled (and refusable) before any load."""
+    profiles: list
+    engine: dict[str, Any]
+    ks: tuple[int, ...]
+    session: Any
+    settings: list[Setting]
+    proposers: tuple[str, ...] | None
+    note: str | None
+    url: str
+
+
 def tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None, show_bar: bool = False) -> dict[str, Any]:
     """Sweep, score, write `<out>/tune.{json,md}` (and apply with cfg.apply). Returns the result dict.
 
     The loadtest skeleton, once: one session (tokenizer, pre-flight), one smoke request per profile x
     setting, then `loadtest.run_setting` per candidate (no per-candidate report or manifest)."""
-    from tqdm import tqdm
-
-    from specbuild.pipeline.loadtest import (LoadtestInterrupted, ServerGone, load_profiles, open_session,
-                                             run_setting, smoke)
+    from specbuild.pipeline.loadtest import LoadtestInterrupted, ServerGone
 
     say = progress or (lambda msg: None)
     workdir = Path(cfg.workdir)
     out_dir = Path(cfg.out) if cfg.out else workdir / "tune"
-    # 1. everything checkable without the server
-    profiles = load_profiles(cfg.profiles, users=cfg.users, duration=cfg.duration, max_tokens=cfg.max_tokens,
-                             min_requests=cfg.min_requests)
-    engine = engine_facts(workdir)
-    ks = sweep_ks(cfg.ks, engine["max_draft_len"])
-    repo_dir = workdir / "model_repository"
-    if cfg.apply:
-        read_engine_model_config(repo_dir)   # refuse now, not after minutes of load
-    # 2. the server: up, model there; does the model let the request choose the proposer?
-    url, metrics_url = resolve_server(cfg)
-    session = open_session(url=url, model=cfg.model, tokenizer=cfg.tokenizer, workdir=workdir,
-                           inputs=["num_draft_tokens"], metrics_url=metrics_url, seed=cfg.seed)
-    proposers, note = proposers_to_sweep(cfg.proposers, session.info.inputs, engine, cfg.model)
-    if note:
-        say(note)
-    settings = plan_settings(ks, proposers)
-    for profile in profiles:   # every setting's exact fields, once, before any load
-        for s in settings:
-            smoke(session, profile, s.request_fields())
-    result: dict[str, Any] = {
-        "schema": 2, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": url,
-        "model": cfg.model, "tokenizer": str(session.counter.path), "engine": engine, "machine": machine(),
-        "sweep": {"k": list(ks), "proposers": list(proposers) if proposers else None,
-                  "proposer_swept": proposers is not None, "note": note, "settings": [s.label for s in settings],
-                  "duration_s": cfg.duration, "users": cfg.users, "max_tokens": cfg.max_tokens,
-                  "tie_tolerance": TIE_TOLERANCE},
-        "profiles": {},
-    }
-    # 3. the load: one run per profile x setting, into a temp dir renamed into place
+    plan = _plan(cfg, workdir, say)
+    result = _result_header(cfg, plan)
     apply_error = None
-    stopped = None   # "interrupted" | "server gone"
-    with stage_output(out_dir) as tmp:
-        bar = tqdm(total=len(profiles) * len(settings), desc="tune", unit="run", disable=not show_bar)
-        for profile in profiles:
-            objective = objective_for(profile)
-            rows: list[dict[str, Any]] = []
-            for s in settings:
-                bar.set_postfix_str(f"{profile.name} {s.label}")
-                try:
-                    cell = run_setting(session, profile, s.label, s.request_fields(),
-                                       tmp / "runs" / profile.name / s.slug, lambda m: say(f"  {m}"))
-                except KeyboardInterrupt:
-                    cell = {"status": "interrupted"}
-                if cell["status"] in ("interrupted", "server gone"):
-                    stopped = cell["status"]   # keep what was measured; the cut-short run does not compete
-                    break
-                rows.append({**cell_row(s, cell), "status": cell["status"],
-                             "report": str(Path("runs") / profile.name / s.slug / "summary.json")})
-                bar.update(1)
-            winner = choose_winner(rows, objective)
-            result["profiles"][profile.name] = {
-                "objective": objective.__dict__, "profile": profile.to_dict(), "settings": rows,
-                "baseline": "k=0" if 0 in ks else None,
-                "winner": None if winner is None else {k: winner[k] for k in ("label", "k", "proposer", "score")},
-                "gain_vs_baseline": gain_vs_baseline(rows, winner, objective)}
-            if stopped:
-                break
-        bar.close()
+    with stage_output(out_dir) as tmp:          # the runs go into a temp dir renamed into place
+        stopped = _sweep(plan, result, tmp, say, show_bar)
         result["default"] = None if stopped else choose_default(result["profiles"])
         result["applied"] = None
         if cfg.apply and result["default"]:
-            d = result["default"]
             try:
-                result["applied"] = apply_policy(repo_dir, tuned_policy(d, engine), per_profile_winners(result))
+                result["applied"] = apply_policy(workdir / "model_repository",
+                                                 tuned_policy(result["default"], plan.engine),
+                                                 per_profile_winners(result))
             except SpecbuildError as e:
                 apply_error = e
-        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         failed = [n for n, p in result["profiles"].items() if p["winner"] is None]
+        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         result["status"] = stopped or ("no valid setting" if failed else "ok")
-        (tmp / "tune.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-        (tmp / "tune.md").write_text(render_markdown(result))
-        write_manifest(tmp, Manifest(stage="tune", inputs={"url": url, "model": cfg.model},
-                                     options={k: str(v) for k, v in cfg.__dict__.items()},
-                                     outputs={"json": "tune.json", "md": "tune.md"}))
+        _write(tmp, cfg, plan, result)
     say(f"tune report: {out_dir / 'tune.md'}")
     if stopped == "interrupted":
         raise LoadtestInterrupted(f"interrupted: nothing was applied; the runs finished so far are in "
@@ -266,6 +220,89 @@ def tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None, show_ba
         raise TuneFailed(f"no setting of profile(s) {failed} completed without errors (see {out_dir / 'tune.md'}); "
                          "check the server log, or lower --users / --max-tokens.")
     return result
+
+
+def _plan(cfg: TuneConfig, workdir: Path, say) -> _Plan:
+    """Everything checkable without the server, then the server (up, model there, may the request choose the
+    proposer?) and one smoke request per profile x setting with its exact fields, before any load."""
+    from specbuild.pipeline.loadtest import load_profiles, open_session, smoke
+
+    profiles = load_profiles(cfg.profiles, users=cfg.users, duration=cfg.duration, max_tokens=cfg.max_tokens,
+                             min_requests=cfg.min_requests)
+    engine = engine_facts(workdir)
+    ks = sweep_ks(cfg.ks, engine["max_draft_len"])
+    if cfg.apply:
+        read_engine_model_config(workdir / "model_repository")   # refuse now, not after minutes of load
+    url, metrics_url = resolve_server(cfg)
+    session = open_session(url=url, model=cfg.model, tokenizer=cfg.tokenizer, workdir=workdir,
+                           inputs=["num_draft_tokens"], metrics_url=metrics_url, seed=cfg.seed)
+    proposers, note = proposers_to_sweep(cfg.proposers, session.info.inputs, engine, cfg.model)
+    if note:
+        say(note)
+    settings = plan_settings(ks, proposers)
+    for profile in profiles:
+        for s in settings:
+            smoke(session, profile, s.request_fields())
+    return _Plan(profiles, engine, ks, session, settings, proposers, note, url)
+
+
+def _result_header(cfg: TuneConfig, plan: _Plan) -> dict[str, Any]:
+    return {
+        "schema": 2, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": plan.url,
+        "model": cfg.model, "tokenizer": str(plan.session.counter.path), "engine": plan.engine, "machine": machine(),
+        "sweep": {"k": list(plan.ks), "proposers": list(plan.proposers) if plan.proposers else None,
+                  "proposer_swept": plan.proposers is not None, "note": plan.note,
+                  "settings": [s.label for s in plan.settings], "duration_s": cfg.duration, "users": cfg.users,
+                  "max_tokens": cfg.max_tokens, "tie_tolerance": TIE_TOLERANCE},
+        "profiles": {},
+    }
+
+
+def _sweep(plan: _Plan, result: dict[str, Any], tmp: Path, say, show_bar: bool) -> str | None:
+    """One run per profile x setting into `tmp/runs/`, scored per profile into `result["profiles"]`.
+    -> None, or why the sweep stopped early ("interrupted" | "server gone"); what was measured is kept."""
+    from tqdm import tqdm
+
+    from specbuild.pipeline.loadtest import run_setting
+
+    bar = tqdm(total=len(plan.profiles) * len(plan.settings), desc="tune", unit="run", disable=not show_bar)
+    stopped = None
+    try:
+        for profile in plan.profiles:
+            objective = objective_for(profile)
+            rows: list[dict[str, Any]] = []
+            for s in plan.settings:
+                bar.set_postfix_str(f"{profile.name} {s.label}")
+                try:
+                    cell = run_setting(plan.session, profile, s.label, s.request_fields(),
+                                       tmp / "runs" / profile.name / s.slug, lambda m: say(f"  {m}"))
+                except KeyboardInterrupt:
+                    cell = {"status": "interrupted"}
+                if cell["status"] in ("interrupted", "server gone"):
+                    stopped = cell["status"]   # the cut-short run does not compete
+                    break
+                rows.append({**cell_row(s, cell), "status": cell["status"],
+                             "report": str(Path("runs") / profile.name / s.slug / "summary.json")})
+                bar.update(1)
+            winner = choose_winner(rows, objective)
+            result["profiles"][profile.name] = {
+                "objective": objective.__dict__, "profile": profile.to_dict(), "settings": rows,
+                "baseline": "k=0" if 0 in plan.ks else None,
+                "winner": None if winner is None else {k: winner[k] for k in ("label", "k", "proposer", "score")},
+                "gain_vs_baseline": gain_vs_baseline(rows, winner, objective)}
+            if stopped:
+                break
+    finally:
+        bar.close()
+    return stopped
+
+
+def _write(tmp: Path, cfg: TuneConfig, plan: _Plan, result: dict[str, Any]) -> None:
+    (tmp / "tune.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (tmp / "tune.md").write_text(render_markdown(result))
+    write_manifest(tmp, Manifest(stage="tune", inputs={"url": plan.url, "model": cfg.model},
+                                 options={k: str(v) for k, v in cfg.__dict__.items()},
+                                 outputs={"json": "tune.json", "md": "tune.md"}))
 
 
 # --- writing the tuned default into the deployment ---------------------------------------------------
