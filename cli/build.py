@@ -27,7 +27,9 @@ def _stderr(msg: str) -> None:
 @click.option("--proposer", type=click.Choice(PROPOSERS), default="draft", show_default=True,
               help="Default proposer: the draft model, or n-gram prompt lookup (no model).")
 @click.option("--draft-quantize", type=click.Choice(DRAFT_QUANTIZATIONS), default=None,
-              help="Store the draft as int8 weight-only (runs on int8 kernels). Default: none (draft dtype = --dtype).")
+              help="Store the draft weight-only quantized: int8 (per channel, torch's int8 kernel) or int4 (Q4_1 "
+                   "blocks, lm_head Q8_0: the GGUF layouts, on the fused step's kernels; a dequantized GGUF's own "
+                   "blocks are recovered exactly). Default: none (draft dtype = --dtype).")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
               help="Runtime dtype of the weights (float32 is right on CPU).")
 @click.option("--device", default="cpu", show_default=True, help="Device the engine runs on: cpu, cuda or cuda:N.")
@@ -74,7 +76,7 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
     \b
     Example:
       specbuild convert --target demo:smollm2-135m-instruct --draft demo:smollm2-135m-instruct
-      specbuild build --draft-quantize int8          # the demo int8 self-draft
+      specbuild build --draft-quantize int4          # the demo self-draft: the target's own 4-bit blocks
       specbuild build --proposer ngram --max-batch-size 4 --force
       specbuild build --draft-quantize int8 --adaptive-k --spec-max-concurrency 3
       specbuild build --backend trtllm --max-draft-len 4 --dry-run
