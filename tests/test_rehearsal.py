@@ -24,6 +24,8 @@ from trtllm_support import env_with_path, make_fake_trtllm_build, make_standin_t
 from specbuild.pipeline import rehearse, serve
 from specbuild.pipeline.errors import CheckFailed, UsageError
 
+pytestmark = pytest.mark.server          # starts a real tritonserver
+
 TIMEOUT = 180.0
 
 

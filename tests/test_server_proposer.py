@@ -5,6 +5,8 @@ import pytest
 from specbuild.pipeline.client import Client, RequestError
 from specbuild.pipeline.contract import SPECULATIVE_MODEL
 
+pytestmark = pytest.mark.server          # starts a real tritonserver
+
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 
 

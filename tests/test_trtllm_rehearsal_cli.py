@@ -17,6 +17,8 @@ from trtllm_support import upstream_llmapi_tree, upstream_tree
 from specbuild.cli.main import cli
 from specbuild.pipeline import rehearse
 
+pytestmark = pytest.mark.server          # starts a real tritonserver
+
 PROMPTS = ["The quick brown fox", "speculative decoding is"]
 TOKENS = 16
 

@@ -2,9 +2,13 @@
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 
 from specbuild.cli.main import cli
+
+pytestmark = pytest.mark.server          # starts a real tritonserver
 
 
 def _verify(server, tmp_path, *extra):

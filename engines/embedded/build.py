@@ -193,16 +193,15 @@ def _crossover(engine, opts: dict[str, Any], *, has_draft: bool, default_k: int,
 def run(ctx: StageContext) -> StageResult:
     target_src, draft_src = _checkpoint_dirs(ctx)
     opts = {**ctx.options, "draft_kv": _draft_kv(ctx, target_src, draft_src)}
-    use_draft = opts["proposer"] == "draft" or opts["draft_quantize"] is not None
     if opts["proposer"] == "draft" and draft_src is None:
         raise UsageError(f"--proposer draft needs a draft checkpoint, but {ctx.upstream_dir} has none; "
                          "re-run `specbuild convert` with --draft, or build with --proposer ngram.")
     out = Path(ctx.out_dir)
-    outputs: dict[str, Any] = {}
-    steps = ["target", "draft", "tokenizer", "load", "smoke"] + (["calibrate"] if opts["calibrate"] else [])
+    steps = ["fused", "weights", "load", "smoke"] + (["calibrate"] if opts["calibrate"] else [])
     bar = tqdm(total=len(steps), desc="build", unit="step", file=sys.stderr, leave=False)
 
     def step(msg: str) -> None:
+        bar.update()
         bar.set_postfix_str(msg)
         ctx.progress(msg)
 
@@ -212,53 +211,24 @@ def run(ctx: StageContext) -> StageResult:
 
             step("the fused decode step (compiled once per machine)")
             fused.build(progress=ctx.progress)
-        step("writing target weights")
-        outputs["target"] = _write_target(target_src, out / "target", opts["dtype"])
-        bar.update()
-        if use_draft and draft_src is not None:
-            step("writing draft weights" + (f" ({opts['draft_quantize']} weight-only)" if opts["draft_quantize"] else ""))
-            outputs["draft"] = _write_draft(draft_src, out / "draft", dtype=opts["dtype"],
-                                            quantize=opts["draft_quantize"])
-        bar.update()
-        (out / "tokenizer").mkdir()
-        for name in TOKENIZER_FILES:
-            if (target_src / name).is_file():
-                shutil.copyfile(target_src / name, out / "tokenizer" / name)
-        bar.update()
+        step("writing the weights" + (f" (the draft {opts['draft_quantize']} weight-only)"
+                                      if opts["draft_quantize"] else ""))
+        outputs = _write_weights(opts, target_src, draft_src, out)
         has_draft = "draft" in outputs
         default_k = opts["num_draft_tokens"] if opts["num_draft_tokens"] is not None else min(4, opts["max_draft_len"])
         _engine_config(opts, has_draft=has_draft, policy=Policy(k=default_k, proposer=opts["proposer"],
-                                                                source="build: smoke"),
-                       calibration=None).save(out)
+                                                                source="build: smoke"), calibration=None).save(out)
         step("loading the engine from the build directory")
         from specbuild.engines.embedded import Engine
         engine = Engine.from_build_dir(out, device=opts["device"], threads=opts["threads"])
-        bar.update()
         step("smoke generation")
         checks = [_smoke(engine, has_draft=has_draft, proposer=opts["proposer"])]
-        bar.update()
         calibration = None
         if opts["calibrate"]:
-            from specbuild.engines.embedded.calibrate import calibrate
-            from specbuild.engines.embedded.fused import decode_step_of
-            from specbuild.engines.embedded.kernels import linear_kernel_of
-
             step("calibrating (step times, acceptance)")
-            cal = calibrate(engine, engine.target, engine.draft, proposer=opts["proposer"],
-                            max_draft_len=opts["max_draft_len"], progress=ctx.progress)
-            calibration = cal.to_dict()
-            calibration["linear_kernel"] = linear_kernel_of(engine.target)     # what the costs were measured on
-            calibration["decode_step"] = decode_step_of(engine.target, engine.scorer.cache)
-            if opts["num_draft_tokens"] is None:
-                default_k = cal.recommended_k
-            if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:
-                step("calibrating the crossover concurrency (speculation vs plain decoding)")
-                calibration["crossover"] = _crossover(engine, opts, has_draft=has_draft, default_k=default_k,
-                                                      calibration=calibration, progress=ctx.progress)
-            checks.append({"name": "calibration", "ok": True, "alpha": cal.alpha, "cost_ratio": cal.cost_ratio,
-                           "recommended_k": cal.recommended_k,
-                           "predicted_speedup": cal.predicted_speedup[cal.recommended_k]})
-            bar.update()
+            calibration, default_k, check = _calibrate(ctx, engine, opts, has_draft=has_draft, default_k=default_k,
+                                                       step=step)
+            checks.append(check)
         engine_cfg = _engine_config(opts, has_draft=has_draft, policy=_policy(opts, calibration, default_k),
                                     calibration=calibration)
         engine_cfg.save(out)
@@ -267,8 +237,44 @@ def run(ctx: StageContext) -> StageResult:
     d = engine_cfg.to_dict()
     outputs["engine"] = {**{k: d[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype", "device",
                                              "threads", "draft_quantize", "linear_kernel", "draft_kv")},
-                         "policy": d["policy"], "policy_described": engine_cfg.policy.describe()}
+                         "policy": d["policy"], "policy_described": engine_cfg.policy.describe(),
+                         "decode_step": engine.decode_step}
     return StageResult(outputs=outputs, checks=checks, extra={"calibration": calibration} if calibration else {})
+
+
+def _write_weights(opts: dict[str, Any], target_src: Path, draft_src: Path | None, out: Path) -> dict[str, Any]:
+    """target/, draft/ (when the build drafts with it, quantized as asked) and tokenizer/ -> their outputs."""
+    outputs = {"target": _write_target(target_src, out / "target", opts["dtype"])}
+    if draft_src is not None and (opts["proposer"] == "draft" or opts["draft_quantize"] is not None):
+        outputs["draft"] = _write_draft(draft_src, out / "draft", dtype=opts["dtype"], quantize=opts["draft_quantize"])
+    (out / "tokenizer").mkdir()
+    for name in TOKENIZER_FILES:
+        if (target_src / name).is_file():
+            shutil.copyfile(target_src / name, out / "tokenizer" / name)
+    return outputs
+
+
+def _calibrate(ctx: StageContext, engine, opts: dict[str, Any], *, has_draft: bool, default_k: int, step):
+    """Step costs and acceptance (-> the default K) and, unless a cut-off was given, the crossover concurrency.
+    -> (calibration, default K, the check recorded in the manifest)."""
+    from specbuild.engines.embedded.calibrate import calibrate
+    from specbuild.engines.embedded.fused import decode_step_of
+    from specbuild.engines.embedded.kernels import linear_kernel_of
+
+    cal = calibrate(engine, engine.target, engine.draft, proposer=opts["proposer"],
+                    max_draft_len=opts["max_draft_len"], progress=ctx.progress)
+    calibration = cal.to_dict()
+    calibration["linear_kernel"] = linear_kernel_of(engine.target)     # what the costs were measured on
+    calibration["decode_step"] = decode_step_of(engine.target, engine.scorer.cache)
+    if opts["num_draft_tokens"] is None:
+        default_k = cal.recommended_k
+    if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:
+        step("calibrating the crossover concurrency (speculation vs plain decoding)")
+        calibration["crossover"] = _crossover(engine, opts, has_draft=has_draft, default_k=default_k,
+                                              calibration=calibration, progress=ctx.progress)
+    check = {"name": "calibration", "ok": True, "alpha": cal.alpha, "cost_ratio": cal.cost_ratio,
+             "recommended_k": cal.recommended_k, "predicted_speedup": cal.predicted_speedup[cal.recommended_k]}
+    return calibration, default_k, check
 
 
 def plan(ctx: StageContext) -> list[PlanStep]:
