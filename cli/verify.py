@@ -85,11 +85,22 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
                                temperature=temperature, top_k=top_k or None, top_p=top_p if top_p < 1 else None,
                                seed=seed).text
 
-    tokenize = tok.ids
+    report = verify(generate, tok.ids, prompts=chosen or list(DEFAULT_PROMPTS), num_draft_tokens=num_draft_tokens,
+                    max_tokens=max_tokens, sampling_seeds=seeds, positions=positions, temperature=temperature,
+                    alpha=alpha, concurrency=concurrency, out=Path(out) if out else workdir / "verify" / "report.json",
+                    progress=_progress_bars(seeds))
+    _print_report(report, num_draft_tokens)
+    if not report.ok:
+        raise click.ClickException("speculation changed the output; see the report above "
+                                   f"({out or workdir / 'verify' / 'report.json'}).")
+    click.echo("verify: OK — speculation is lossless on these prompts.")
 
+
+def _progress_bars(seeds: int):
+    """progress(phase, done, total): one bar per phase on stderr (verify sends hundreds of requests)."""
     bars = {}
 
-    def progress(phase, done, total):  # one bar per phase on stderr: verify sends hundreds of requests
+    def progress(phase, done, total):
         from tqdm import tqdm
 
         if phase not in bars:
@@ -100,11 +111,10 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
         bar.update(done - bar.n)
         if done == total:
             bar.close()
+    return progress
 
-    report = verify(generate, tokenize, prompts=chosen or list(DEFAULT_PROMPTS), num_draft_tokens=num_draft_tokens,
-                    max_tokens=max_tokens, sampling_seeds=seeds, positions=positions, temperature=temperature,
-                    alpha=alpha, concurrency=concurrency, out=Path(out) if out else workdir / "verify" / "report.json",
-                    progress=progress)
+
+def _print_report(report, num_draft_tokens: int) -> None:
     for case in report.greedy:
         mark = "identical" if case.identical else f"DIVERGES at token {case.first_divergence}"
         click.echo(f"greedy  K={num_draft_tokens} vs 0  {mark:<24} {case.tokens_plain:>4} tok  {case.prompt[:50]!r}")
@@ -117,7 +127,3 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
         click.echo(f"sampling T={s.temperature} {s.seeds} seeds x 2, {len(s.positions)} positions: {verdict} "
                    f"(min p = {worst.p_value:.3g} at position {worst.position}; threshold {s.threshold:.2g} = "
                    f"alpha {s.alpha:g} / {len(s.positions)})")
-    if not report.ok:
-        raise click.ClickException("speculation changed the output; see the report above "
-                                   f"({out or workdir / 'verify' / 'report.json'}).")
-    click.echo("verify: OK — speculation is lossless on these prompts.")

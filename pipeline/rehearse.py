@@ -249,13 +249,48 @@ def _copy_resource_tree(src, dst: Path) -> None:
 def prepare(workdir: str | Path, backend_models_dir: str | Path | None, *, slots: int = 4,
             progress: Callable[[str], None] | None = None) -> Path:
     """Assemble `<workdir>/rehearsal/triton/` and return it (refusing with the reason when it cannot)."""
-    from specbuild.engines.trtllm.upstream_facts import models_dir
     say = progress or (lambda m: None)
     workdir = Path(workdir).resolve()
     deploy_dir, manifest = _deployment(workdir)
     if ((manifest.get("extra") or {}).get("recipe") or {}).get("generation") == "llmapi":
         return prepare_llmapi(workdir, deploy_dir, manifest, backend_models_dir, say=say)
     family = ((manifest.get("extra") or {}).get("recipe") or {}).get("backend_family")
+    deployed = deploy_dir / "triton"
+    upstream, older = _engine_path_upstream(backend_models_dir, manifest, deployed, family, say)
+    missing = missing_modules()
+    if missing:
+        raise ToolNotAvailable(f"upstream's Python models import modules this Python lacks: {missing}; install them "
+                               "(CPU builds are enough: torch is used for dlpack only) and retry.")
+    sources = _sources(workdir, manifest)
+    opts = (manifest.get("extra") or {}).get("trtllm_options") or {}
+    root = rehearsal_root(workdir)
+    repo = root / "triton"
+    tmp = root / "triton.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for model_dir in sorted(p for p in deployed.iterdir() if (p / "config.pbtxt").is_file()):
+        _rehearsal_model(model_dir, tmp / model_dir.name, upstream, sources, slots=slots,
+                         max_seq_len=int(opts.get("max_seq_len") or 2048))
+    info = {"deployment": str(deployed), "backend_family": family, "upstream_models": str(upstream),
+            "upstream_family": older["family"] if older else family,
+            "changes_not_in_upstream_models": older["changes"] if older else [],
+            "sources": {k: str(v) for k, v in sources.items()},
+            "changed": {m: 'backend: "tensorrtllm" -> backend: "python" (stand-in)' for m in ENGINE_MODELS},
+            "upstream_python_models": list(UPSTREAM_PYTHON_MODELS)}
+    (tmp / ".." / "rehearsal.json").resolve().write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(repo, ignore_errors=True)
+    tmp.rename(repo)
+    say(f"rehearsal repository: {repo} (upstream models from {upstream}, backend family {family}; "
+        f"stand-in weights from {sources['target']} and {sources['draft']})")
+    return repo
+
+
+def _engine_path_upstream(backend_models_dir, manifest: dict[str, Any], deployed: Path, family: str | None,
+                          say: Callable[[str], None]) -> tuple[Path, dict | None]:
+    """Upstream's inflight_batcher_llm models for the deployed family -> (their dir, the older family of the same
+    lineage they are, or None when they are the deployed one's); refused with the reason otherwise."""
+    from specbuild.engines.trtllm.upstream_facts import models_dir
+
     if not backend_models_dir:
         raise UsageError("--rehearse needs --backend-models-dir: a checkout of tensorrtllm_backend at the tag of the "
                          f"deployed release (family {family}: "
@@ -269,62 +304,43 @@ def prepare(workdir: str | Path, backend_models_dir: str | Path | None, *, slots
     for model in UPSTREAM_PYTHON_MODELS:
         if not (upstream / model / "1" / "model.py").is_file():
             raise UsageError(f"--backend-models-dir: {upstream / model / '1' / 'model.py'} is missing.")
-    deployed = deploy_dir / "triton"
     problems = check_upstream(upstream, deployed)
-    older = None
-    if problems:
-        older = older_family_of_the_lineage(upstream, family)
-        if older is None:
-            raise CheckFailed(f"the upstream models in {upstream} are not the release this repository was deployed "
-                              f"for (backend family {family}); check out the matching tag. Differences: "
-                              f"{problems[:8]}" + (f" ... ({len(problems)} in all)" if len(problems) > 8 else ""))
-        say(f"upstream's Python models in {upstream} are family {older['family']}'s, not {family}'s (the newest "
-            f"full tree read here); the deployed {family} configs add {', '.join(older['changes'])}: optional "
-            f"tensors those models neither read nor fill. With a {family} tree (scripts/gather_trtllm_upstream.py "
-            "--trtllm-checkout) the rehearsal is exact.")
-    missing = missing_modules()
-    if missing:
-        raise ToolNotAvailable(f"upstream's Python models import modules this Python lacks: {missing}; install them "
-                               "(CPU builds are enough: torch is used for dlpack only) and retry.")
-    sources = _sources(workdir, manifest)
-    opts = (manifest.get("extra") or {}).get("trtllm_options") or {}
-    root = rehearsal_root(workdir)
-    repo = root / "triton"
-    tmp = root / "triton.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    standin = (resources.files("specbuild.model_repository") / "rehearsal" / "tensorrt_llm_standin"
-               / "model.py").read_text()
-    for model_dir in sorted(p for p in deployed.iterdir() if (p / "config.pbtxt").is_file()):
-        name = model_dir.name
-        dst = tmp / name
-        (dst / "1").mkdir(parents=True)
-        config = (model_dir / "config.pbtxt").read_text()
-        if name in ENGINE_MODELS:
-            new, n = _BACKEND_LINE.subn('backend: "python"', config)
-            if n != 1:
-                raise CheckFailed(f"{model_dir / 'config.pbtxt'} has no `backend: \"tensorrtllm\"` line to replace.")
-            config = new
-            (dst / "1" / "model.py").write_text(standin)
-            (dst / "1" / "rehearsal.json").write_text(json.dumps(
-                {"role": ROLE[name], "hf_dir": str(sources[ROLE[name]]), "slots": slots,
-                 "max_seq_len": int(opts.get("max_seq_len") or 2048), "dtype": "float32"}, indent=2) + "\n")
-        elif name in UPSTREAM_PYTHON_MODELS:
-            shutil.rmtree(dst / "1")
-            shutil.copytree(upstream / name / "1", dst / "1", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        (dst / "config.pbtxt").write_text(config)
-    info = {"deployment": str(deployed), "backend_family": family, "upstream_models": str(upstream),
-            "upstream_family": older["family"] if older else family,
-            "changes_not_in_upstream_models": older["changes"] if older else [],
-            "sources": {k: str(v) for k, v in sources.items()},
-            "changed": {m: 'backend: "tensorrtllm" -> backend: "python" (stand-in)' for m in ENGINE_MODELS},
-            "upstream_python_models": list(UPSTREAM_PYTHON_MODELS)}
-    (tmp / ".." / "rehearsal.json").resolve().write_text(json.dumps(info, indent=2) + "\n")
-    shutil.rmtree(repo, ignore_errors=True)
-    tmp.rename(repo)
-    say(f"rehearsal repository: {repo} (upstream models from {upstream}, backend family {family}; "
-        f"stand-in weights from {sources['target']} and {sources['draft']})")
-    return repo
+    if not problems:
+        return upstream, None
+    older = older_family_of_the_lineage(upstream, family)
+    if older is None:
+        raise CheckFailed(f"the upstream models in {upstream} are not the release this repository was deployed "
+                          f"for (backend family {family}); check out the matching tag. Differences: "
+                          f"{problems[:8]}" + (f" ... ({len(problems)} in all)" if len(problems) > 8 else ""))
+    say(f"upstream's Python models in {upstream} are family {older['family']}'s, not {family}'s (the newest "
+        f"full tree read here); the deployed {family} configs add {', '.join(older['changes'])}: optional "
+        f"tensors those models neither read nor fill. With a {family} tree (scripts/gather_trtllm_upstream.py "
+        "--trtllm-checkout) the rehearsal is exact.")
+    return upstream, older
+
+
+def _rehearsal_model(model_dir: Path, dst: Path, upstream: Path, sources: dict[str, Path], *, slots: int,
+                     max_seq_len: int) -> None:
+    """One model of the rehearsal repository: the deployed config; upstream's Python model, or for an engine model
+    (`backend: "tensorrtllm"`) the stand-in on the Hugging Face weights."""
+    name = model_dir.name
+    (dst / "1").mkdir(parents=True)
+    config = (model_dir / "config.pbtxt").read_text()
+    if name in ENGINE_MODELS:
+        new, n = _BACKEND_LINE.subn('backend: "python"', config)
+        if n != 1:
+            raise CheckFailed(f"{model_dir / 'config.pbtxt'} has no `backend: \"tensorrtllm\"` line to replace.")
+        config = new
+        standin = (resources.files("specbuild.model_repository") / "rehearsal" / "tensorrt_llm_standin"
+                   / "model.py").read_text()
+        (dst / "1" / "model.py").write_text(standin)
+        (dst / "1" / "rehearsal.json").write_text(json.dumps(
+            {"role": ROLE[name], "hf_dir": str(sources[ROLE[name]]), "slots": slots, "max_seq_len": max_seq_len,
+             "dtype": "float32"}, indent=2) + "\n")
+    elif name in UPSTREAM_PYTHON_MODELS:
+        shutil.rmtree(dst / "1")
+        shutil.copytree(upstream / name / "1", dst / "1", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (dst / "config.pbtxt").write_text(config)
 
 
 def start(workdir: str | Path, opts=None, *, backend_models_dir: str | Path | None = None, slots: int = 4,

@@ -281,23 +281,41 @@ def template_dir(family: str) -> str:
 
 
 def template_text(family: str, model: str) -> str:
+    """The config.pbtxt template of `model` in `family`, generated from the facts (header, scheduling, tensors,
+    instances, parameters, ensemble steps)."""
     f = model_facts(family, model)
+    lines = _template_header(family, model) + _template_scheduling(f, model)
+    for kind, items in (("input", f["inputs"]), ("output", f["outputs"])):
+        lines.append(f"{kind} [")
+        lines += [_template_tensor(t, i == len(items) - 1) for i, t in enumerate(items)]
+        lines.append("]")
+    for g in f["instance_group"]:
+        lines.append(f"instance_group [ {{ count: {g['count']} kind: {g['kind']} }} ]")
+    for key, value in f["parameters"].items():
+        lines.append(f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
+    if "ensemble_steps" in f:
+        lines += _template_ensemble(f["ensemble_steps"])
+    return "\n".join(lines) + "\n"
+
+
+def _template_header(family: str, model: str) -> list[str]:
     fam = families()[family]
-    ph = f["placeholders"]
     if fam.get("trtllm"):      # read from (or derived for) TensorRT-LLM's triton_backend
         src = fam.get("read_from") or {}
         how = (f"facts read at {src['repo'].split('/', 1)[-1]} {src['commit'][:12]}" if src.get("commit")
                else f"facts derived from family {fam['derived']['from']} + dated changes")
-        lines = [f"# specbuild template: TensorRT-LLM {', '.join(family_versions(fam))} {model} ({how}; "
-                 f"exactness {fam.get('exactness')}: see upstream_facts.json).",
-                 "# Generated from engines/trtllm/upstream_facts.json by "
-                 "`python -m specbuild.engines.trtllm.upstream_facts templates`; do not edit by hand."]
+        first = (f"# specbuild template: TensorRT-LLM {', '.join(family_versions(fam))} {model} ({how}; "
+                 f"exactness {fam.get('exactness')}: see upstream_facts.json).")
     else:
-        lines = [f"# specbuild template: tensorrtllm_backend {', '.join(fam['tags'])} {model} "
-                 f"(facts read from {fam['tags'][0]}, commit {fam['commits'][fam['tags'][0]][:12]}).",
-                 "# Generated from engines/trtllm/upstream_facts.json by "
-                 "`python -m specbuild.engines.trtllm.upstream_facts templates`; do not edit by hand."]
-    lines.append('name: "${model_name}"' if model == "tensorrt_llm" else f'name: "{f["name"]}"')
+        first = (f"# specbuild template: tensorrtllm_backend {', '.join(fam['tags'])} {model} "
+                 f"(facts read from {fam['tags'][0]}, commit {fam['commits'][fam['tags'][0]][:12]}).")
+    return [first, "# Generated from engines/trtllm/upstream_facts.json by "
+                   "`python -m specbuild.engines.trtllm.upstream_facts templates`; do not edit by hand."]
+
+
+def _template_scheduling(f: dict[str, Any], model: str) -> list[str]:
+    ph = f["placeholders"]
+    lines = ['name: "${model_name}"' if model == "tensorrt_llm" else f'name: "{f["name"]}"']
     if f["platform"]:
         lines.append(f'platform: "{f["platform"]}"')
     if f["backend"]:
@@ -314,39 +332,29 @@ def template_text(family: str, model: str) -> str:
         if "dynamic_batching.max_queue_size" in ph:
             body.append(f"  default_queue_policy: {{ max_queue_size: ${{{ph['dynamic_batching.max_queue_size']}}} }}")
         lines += ["dynamic_batching {", *body, "}"] if body else ["dynamic_batching { }"]
+    return lines
 
-    def tensor(t: dict[str, Any], last: bool) -> str:
-        parts = [f'name: "{t["name"]}"', f"data_type: {t['data_type']}", f"dims: [ {', '.join(map(str, t['dims']))} ]"]
-        if "reshape" in t:
-            parts.append(f"reshape: {{ shape: [ {', '.join(map(str, t['reshape']))} ] }}")
-        if t.get("optional"):
-            parts.append("optional: true")
-        if t.get("allow_ragged_batch"):
-            parts.append("allow_ragged_batch: true")
-        return "  { " + " ".join(parts) + (" }" if last else " },")
 
-    for kind, items in (("input", f["inputs"]), ("output", f["outputs"])):
-        lines.append(f"{kind} [")
-        lines += [tensor(t, i == len(items) - 1) for i, t in enumerate(items)]
-        lines.append("]")
-    for g in f["instance_group"]:
-        lines.append(f"instance_group [ {{ count: {g['count']} kind: {g['kind']} }} ]")
-    for key, value in f["parameters"].items():
-        lines.append(f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}')
-    if "ensemble_steps" in f:
-        lines.append("ensemble_scheduling {")
-        lines.append("  step [")
-        for i, s in enumerate(f["ensemble_steps"]):
-            lines.append("    {")
-            lines.append(f'      model_name: "{s["model_name"]}"')
-            lines.append(f"      model_version: {s['model_version']}")
-            for kind in ("input_map", "output_map"):
-                for k, v in s[kind].items():
-                    lines.append(f'      {kind} {{ key: "{k}" value: "{v}" }}')
-            lines.append("    }" + ("," if i < len(f["ensemble_steps"]) - 1 else ""))
-        lines.append("  ]")
-        lines.append("}")
-    return "\n".join(lines) + "\n"
+def _template_tensor(t: dict[str, Any], last: bool) -> str:
+    parts = [f'name: "{t["name"]}"', f"data_type: {t['data_type']}", f"dims: [ {', '.join(map(str, t['dims']))} ]"]
+    if "reshape" in t:
+        parts.append(f"reshape: {{ shape: [ {', '.join(map(str, t['reshape']))} ] }}")
+    if t.get("optional"):
+        parts.append("optional: true")
+    if t.get("allow_ragged_batch"):
+        parts.append("allow_ragged_batch: true")
+    return "  { " + " ".join(parts) + (" }" if last else " },")
+
+
+def _template_ensemble(steps: list[dict[str, Any]]) -> list[str]:
+    lines = ["ensemble_scheduling {", "  step ["]
+    for i, s in enumerate(steps):
+        lines += ["    {", f'      model_name: "{s["model_name"]}"', f"      model_version: {s['model_version']}"]
+        for kind in ("input_map", "output_map"):
+            for k, v in s[kind].items():
+                lines.append(f'      {kind} {{ key: "{k}" value: "{v}" }}')
+        lines.append("    }" + ("," if i < len(steps) - 1 else ""))
+    return lines + ["  ]", "}"]
 
 
 def template_path(family: str, model: str) -> str:
