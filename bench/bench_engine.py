@@ -3,8 +3,9 @@
 Measured in one process, in this order (medians over --runs runs x 3 prompts: chat / code / summarization):
   memory bandwidth      sum over a 1 GiB fp32 tensor (read-only, like a decode step) -> roofline tok/s
   hf_generate           transformers `generate`, greedy, fp32
-  hf_assisted           the same with `assistant_model` = the int8 self-draft (same Int8Linear modules)
-  engine off / draft / ngram   the embedded engine built by `specbuild build --draft-quantize int8`
+  hf_assisted           the same with `assistant_model` = the int4 self-draft (the same BlockLinear modules)
+  engine off / draft / ngram   the embedded engine built by `specbuild build --draft-quantize int4` (the target's
+                        own Q4_1 / Q8_0 blocks as the draft; the fused decode step where it is built)
   throughput            1, 2, 4, 8 concurrent sequences, speculation off / draft / n-gram
 Writes --out (JSON) and prints a table. The box is shared: the load average before and after is recorded;
 read every figure as "on this machine, at this load".
@@ -28,8 +29,9 @@ import torch
 from specbuild.pipeline.build import build
 from specbuild.pipeline.convert import convert
 from specbuild.engines.embedded import Engine, EngineConfig, SamplingParams
-from specbuild.engines.embedded.calibrate import (estimate_alpha, forward_probe, predicted_speedup,
-                                                  time_interleaved)
+from specbuild.engines.embedded.adaptive import expected_tokens
+from specbuild.engines.embedded.calibrate import estimate_alpha, forward_probe, time_interleaved
+from specbuild.engines.embedded import fused
 from specbuild.engines.embedded.kernels import onednn_available
 from specbuild.engines.embedded.quant import quantize_model_
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
@@ -46,6 +48,11 @@ _T0 = time.time()
 def log(msg: str) -> None:
     """Progress on stderr, with the seconds since the bench started."""
     print(f"[{time.time() - _T0:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def predicted_speedup(alpha: float, k: int, *, t_target: float, t_draft: float, t_verify: float) -> float:
+    """E[tokens per round] / round cost in plain steps, from step times measured at the same concurrency."""
+    return expected_tokens(alpha, k) / ((k * t_draft + t_verify) / t_target)
 
 
 def median(xs):
@@ -69,8 +76,8 @@ def prompts(tokenizer) -> dict[str, list[int]]:
     return {k: tokenizer.encode(t, add_special_tokens=False)[-PROMPT_TOKENS:] for k, t in texts.items()}
 
 
-def engine_dir(workdir: Path) -> Path:
-    """The documented recipe of the demo draft: convert (draft == target), build --draft-quantize int8."""
+def engine_dir(workdir: Path, quantize: str = "int4", max_draft_len: int = 8) -> Path:
+    """The documented recipe of a self-draft: convert (draft == target), build --draft-quantize QUANTIZE."""
     src = resolve(MODEL, progress=log)
     convert(src.path, src.path, workdir=workdir, progress=log)
     # An engine built by an older specbuild (no shared draft KV, a calibration measured on other linear kernels)
@@ -81,18 +88,19 @@ def engine_dir(workdir: Path) -> Path:
         cfg = json.loads(cfg_path.read_text())
         cal = cfg.get("calibration") or {}
         stale = (cfg.get("schema", 1) < 2
-                 or cal.get("linear_kernel", "aten") != ("onednn" if onednn_available() else "aten"))
-    result = build(workdir=workdir, draft_quantize="int8", max_batch_size=8, max_seq_len=1024, progress=log,
-                   force=stale)
+                 or cal.get("linear_kernel", "aten") != ("onednn" if onednn_available() else "aten")
+                 or cal.get("decode_step", "eager") != ("fused" if fused.extension() is not None else "eager"))
+    result = build(workdir=workdir, draft_quantize=quantize, max_batch_size=8, max_seq_len=1024, progress=log,
+                   max_draft_len=max_draft_len, force=stale)
     return result.out_dir
 
 
 def hf_models(model_dir: Path, k: int):
-    """HF target and the int8 self-draft as an HF model (the same Int8Linear modules the engine's draft uses)."""
+    """HF target and the int4 self-draft as an HF model (the same BlockLinear modules the engine's draft uses)."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    draft = quantize_model_(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
+    draft = quantize_model_(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), "int4")
     draft.generation_config.num_assistant_tokens = k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
@@ -231,66 +239,74 @@ def main(argv=None) -> int:
     k = cal.get("recommended_k") or 4
     engine = Engine.from_build_dir(edir, threads=args.threads)   # every request below sends its K (forced)
     ids = prompts(engine.tokenizer)
-    log("memory bandwidth")
+    log(f"decode step: {engine.decode_step}; memory bandwidth")
     bw = bandwidth_gbs(runs)
-    weight_bytes = engine.target.num_bytes()
     hf_target, hf_draft = hf_models(Path(resolve(MODEL).path), k)
-    lat = latency_runs(engine, hf_target, hf_draft, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
-    costs = step_costs(engine, k, runs)
-    thr, thr_detail = throughput(engine, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
+    m = {"bw": bw, "lat": latency_runs(engine, hf_target, hf_draft, ids, tokens=tokens, runs=runs, k=k,
+                                       k_ngram=args.k_ngram),
+         "costs": step_costs(engine, k, runs)}
+    m["thr"], m["thr_detail"] = throughput(engine, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
     log("step costs by concurrency (speculation efficiency)")
-    eff = efficiency_by_concurrency(engine, thr_detail, k=k, context=PROMPT_TOKENS + tokens // 2, runs=runs)
-
-    def med(method: str, key: str = "tok_s", kinds=KINDS):
-        return median([x for kind in kinds for x in lat[method][kind][key]])
-    def ratio(a: str, b: str, kinds=KINDS):
-        """Median of per-(run, prompt) ratios: each pair was measured back to back, under the same load."""
-        return median([x / y for kind in kinds for x, y in zip(lat[a][kind]["tok_s"], lat[b][kind]["tok_s"])])
-    off, dft, off_decode = med("off"), med("draft"), med("off", "decode_tok_s")
-    hf_gen, hf_ass = med("hf_generate"), med("hf_assisted")
-    roofline = bw["read_gbs"] * 1e9 / weight_bytes
-    alpha = median([lat["draft"][kind]["alpha"] for kind in KINDS])
-    predicted = predicted_speedup(alpha, k, t_target=costs["target"], t_draft=costs["draft"],
-                                  t_verify=costs["verify"])
-    draft_speedup = ratio("draft", "off")
-    ngram_summ = ratio("ngram", "off", kinds=("summ",))
-    result = {
-        "model": MODEL, "draft": "SmolLM2-135M-Instruct int8 self-draft (weight-only int8 copy of the target)",
-        "runs": runs, "tokens": tokens, "prompts": list(KINDS), "k": k, "k_ngram": args.k_ngram,
-        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.processor(),
-        "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "seconds": time.time() - t_start,
-        "memory_read_gbs": bw["read_gbs"], "memory_copy_gbs": bw["copy_gbs"], "target_weight_bytes": weight_bytes,
-        "hf_generate_tok_s": hf_gen, "hf_assisted_tok_s": hf_ass,
-        "engine_tok_s": off, "engine_draft_tok_s": dft, "engine_ngram_tok_s": med("ngram"),
-        "roofline_tok_s": roofline, "engine_vs_hf": ratio("off", "hf_generate"),
-        "engine_decode_tok_s": off_decode, "roofline_fraction": off_decode / roofline,
-        "draft_acceptance_rate": median([lat["draft"][kind]["acceptance_rate"] for kind in KINDS]),
-        "draft_alpha": alpha, "draft_cost_ratio": costs["draft"] / costs["target"],
-        "t_target_s": costs["target"], "t_draft_s": costs["draft"], "t_verify_s": costs["verify"],
-        "predicted_draft_speedup": predicted, "draft_speedup": draft_speedup,
-        "spec_efficiency": draft_speedup / predicted, "ngram_summ_speedup": ngram_summ,
-        "hf_assisted_speedup": ratio("hf_assisted", "hf_generate"),
-        "throughput_tok_s": thr, "throughput_ratio_8_vs_1": thr["off"][8] / thr["off"][1],
-        "demo_draft_speedup_batch1": thr["draft"][1] / thr["off"][1],
-        "demo_draft_speedup_batch8": thr["draft"][8] / thr["off"][8],
-        "throughput_detail": thr_detail, "spec_efficiency_by_concurrency": eff,
-        "build_calibration": cal, "per_prompt": lat,
-    }
+    m["eff"] = efficiency_by_concurrency(engine, m["thr_detail"], k=k, context=PROMPT_TOKENS + tokens // 2, runs=runs)
+    result = summarize(engine, m, runs=runs, tokens=tokens, k=k, k_ngram=args.k_ngram, cal=cal)
+    result.update(load_avg_before=load_before, load_avg_after=os.getloadavg(), seconds=time.time() - t_start)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
     return 0
 
 
+def summarize(engine: Engine, m: dict, *, runs: int, tokens: int, k: int, k_ngram: int, cal: dict) -> dict:
+    lat, costs, thr, bw = m["lat"], m["costs"], m["thr"], m["bw"]
+
+    def med(method: str, key: str = "tok_s", kinds=KINDS):
+        return median([x for kind in kinds for x in lat[method][kind][key]])
+
+    def ratio(a: str, b: str, kinds=KINDS):
+        """Median of per-(run, prompt) ratios: each pair was measured back to back, under the same load."""
+        return median([x / y for kind in kinds for x, y in zip(lat[a][kind]["tok_s"], lat[b][kind]["tok_s"])])
+    off_decode = med("off", "decode_tok_s")
+    weight_bytes = engine.target.num_bytes()
+    roofline = bw["read_gbs"] * 1e9 / weight_bytes
+    alpha = median([lat["draft"][kind]["alpha"] for kind in KINDS])
+    predicted = predicted_speedup(alpha, k, t_target=costs["target"], t_draft=costs["draft"],
+                                  t_verify=costs["verify"])
+    draft_speedup = ratio("draft", "off")
+    return {
+        "model": MODEL, "draft": "SmolLM2-135M-Instruct int4 self-draft (the GGUF's own Q4_1 / Q8_0 blocks)",
+        "runs": runs, "tokens": tokens, "prompts": list(KINDS), "k": k, "k_ngram": k_ngram,
+        "decode_step": engine.decode_step, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "machine": platform.processor(),
+        "memory_read_gbs": bw["read_gbs"], "memory_copy_gbs": bw["copy_gbs"], "target_weight_bytes": weight_bytes,
+        "hf_generate_tok_s": med("hf_generate"), "hf_assisted_tok_s": med("hf_assisted"),
+        "engine_tok_s": med("off"), "engine_draft_tok_s": med("draft"), "engine_ngram_tok_s": med("ngram"),
+        "roofline_tok_s": roofline, "engine_vs_hf": ratio("off", "hf_generate"),
+        "engine_decode_tok_s": off_decode, "roofline_fraction": off_decode / roofline,
+        "draft_acceptance_rate": median([lat["draft"][kind]["acceptance_rate"] for kind in KINDS]),
+        "draft_alpha": alpha, "draft_cost_ratio": costs["draft"] / costs["target"],
+        "t_target_s": costs["target"], "t_draft_s": costs["draft"], "t_verify_s": costs["verify"],
+        "predicted_draft_speedup": predicted, "draft_speedup": draft_speedup,
+        "spec_efficiency": draft_speedup / predicted, "ngram_summ_speedup": ratio("ngram", "off", kinds=("summ",)),
+        "hf_assisted_speedup": ratio("hf_assisted", "hf_generate"),
+        "throughput_tok_s": thr, "throughput_ratio_8_vs_1": thr["off"][8] / thr["off"][1],
+        "demo_draft_speedup_batch1": thr["draft"][1] / thr["off"][1],
+        "demo_draft_speedup_batch8": thr["draft"][8] / thr["off"][8],
+        "throughput_detail": m["thr_detail"], "spec_efficiency_by_concurrency": m["eff"],
+        "goals": {"batch1_speculation_ge_1.6x": draft_speedup >= 1.6, "spec_efficiency_ge_0.9":
+                  draft_speedup / predicted >= 0.9, "draft_cost_ratio_le_0.4": costs["draft"] / costs["target"] <= 0.4},
+        "build_calibration": cal, "per_prompt": lat,
+    }
+
+
 def print_table(r: dict) -> None:
     rows = [("memory read bandwidth", f"{r['memory_read_gbs']:.1f} GB/s"),
             ("roofline (fp32 weights / bandwidth)", f"{r['roofline_tok_s']:.1f} tok/s"),
             ("HF generate (greedy)", f"{r['hf_generate_tok_s']:.2f} tok/s"),
-            ("HF assisted (int8 self-draft)", f"{r['hf_assisted_tok_s']:.2f} tok/s ({r['hf_assisted_speedup']:.2f}x)"),
+            ("HF assisted (int4 self-draft)", f"{r['hf_assisted_tok_s']:.2f} tok/s ({r['hf_assisted_speedup']:.2f}x)"),
             ("engine, speculation off", f"{r['engine_tok_s']:.2f} tok/s ({r['engine_vs_hf']:.2f}x HF, "
                                         f"decode {r['engine_decode_tok_s']:.1f} tok/s = "
                                         f"{r['roofline_fraction']:.0%} of roofline)"),
-            (f"engine, int8 self-draft K={r['k']}", f"{r['engine_draft_tok_s']:.2f} tok/s "
+            (f"engine, int4 self-draft K={r['k']}", f"{r['engine_draft_tok_s']:.2f} tok/s "
                                                     f"({r['draft_speedup']:.2f}x, "
                                                     f"predicted {r['predicted_draft_speedup']:.2f}x)"),
             ("  acceptance / alpha / c", f"{r['draft_acceptance_rate']:.2f} / {r['draft_alpha']:.2f} / "

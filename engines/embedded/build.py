@@ -179,7 +179,7 @@ def _crossover(engine, opts: dict[str, Any], *, has_draft: bool, default_k: int,
         if k == 0:
             continue
         out[proposer] = x = measure_crossover(engine, proposer=proposer, k=k,
-                                              max_batch_size=opts["max_batch_size"], budget_s=15.0,
+                                              max_batch_size=opts["max_batch_size"], budget_s=30.0,
                                               progress=progress)
         load, cpus = x["load_avg"][0], x["cpu_count"] or 1
         if load is not None and load > cpus:
@@ -197,7 +197,9 @@ def run(ctx: StageContext) -> StageResult:
         raise UsageError(f"--proposer draft needs a draft checkpoint, but {ctx.upstream_dir} has none; "
                          "re-run `specbuild convert` with --draft, or build with --proposer ngram.")
     out = Path(ctx.out_dir)
-    steps = ["fused", "weights", "load", "smoke"] + (["calibrate"] if opts["calibrate"] else [])
+    crossover = opts["calibrate"] and opts.get("crossover", True) and opts.get("spec_max_concurrency") is None
+    steps = (["fused", "weights", "load", "smoke"] + (["calibrate"] if opts["calibrate"] else [])
+             + (["crossover"] if crossover else []))
     bar = tqdm(total=len(steps), desc="build", unit="step", file=sys.stderr, leave=False)
 
     def step(msg: str) -> None:

@@ -85,6 +85,11 @@ class Engine:
             _check_kv_compatible(target, draft)
             proposer = DraftModelProposer(draft, self.scorer.cache, dev, shares_target_kv=True)
         elif draft is not None:
+            from specbuild.engines.embedded.quant import BlockLinear
+
+            for m in draft.modules():      # an own-cache draft prefills prompts: on an fp32 copy, not block kernels
+                if isinstance(m, BlockLinear):
+                    m.prefill_copy = True
             proposer = DraftModelProposer(draft, cache_for(draft), dev)
         from specbuild.engines.embedded.fused import decode_step_of, status
 

@@ -137,7 +137,7 @@ def _linear(ext, mod: nn.Module):
         return ext.make_linear(PACKED_FP32, mod.packed, none, none, none, bias, none, 1 << 30,
                                mod.out_features, mod.in_features)
     if isinstance(mod, BlockLinear):
-        prefill = mod.prefill_weight()
+        prefill = mod.prefill_weight() if mod.prefill_copy else None
         return ext.make_linear(mod.kind, none, mod.qs, mod.d, mod.m if mod.m is not None else none, bias,
                                prefill if prefill is not None else none, mod.prefill_min_rows, mod.out_features,
                                mod.in_features)

@@ -172,6 +172,8 @@ class BlockLinear(nn.Module):
     the first time it is needed."""
 
     prefill_min_rows = 16
+    prefill_copy = False        # keep an fp32 oneDNN copy for prompt-sized inputs (a draft with its own KV cache
+                                # prefills prompts; a self-draft sharing the target's cache never does): 8 B/weight
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None = None):
         super().__init__()
@@ -214,10 +216,10 @@ class BlockLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = None
-        if x2.shape[0] < self.prefill_min_rows and x2.device.type == "cpu":
+        if (x2.shape[0] < self.prefill_min_rows or not self.prefill_copy) and x2.device.type == "cpu":
             y = block_linear(self.kind, x2, self.qs, self.d, self.m, self.bias, self.out_features)
         if y is None:
-            packed = self.prefill_weight() if x2.device.type == "cpu" else None
+            packed = self.prefill_weight() if x2.device.type == "cpu" and self.prefill_copy else None
             if packed is not None:
                 y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
             else:
