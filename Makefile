@@ -50,8 +50,16 @@ bench-quick:
 llamacpp:
 	PYTHON=$(BIN)/python bash scripts/build_llamacpp.sh
 
+# The soak gate (bench/README.md "Soak"): mixed load with hostile requests, disconnects, a SIGSTOP pause and a
+# kill + restart; exits 1 on a wrong text, a failed good request, a 5xx of ours to a hostile request, memory
+# growth after warm-up, or slots still busy at the end. soak: 10 min of load (~11-12 min wall here);
+# soak-short: 2 min (~3 min wall), the same gate but its server lives are too short for the memory verdict.
+.PHONY: soak soak-short
 soak:
 	$(BIN)/python bench/soak.py --duration $${SOAK_DURATION:-600}
+
+soak-short:
+	$(BIN)/python bench/soak.py --duration $${SOAK_DURATION:-120}
 
 clean:
 	rm -rf $(WORKDIR) bench/results report
