@@ -36,6 +36,30 @@ LINEAR_KERNELS = ("auto", "onednn", "aten")
 _PROBE: bool | None = None
 
 
+ROW_BUCKETS = (24, 32, 48, 64, 96, 128, 192, 256)
+CHUNK_ROWS = 256
+
+
+def row_bucket(m: int) -> int:
+    """oneDNN keeps one primitive per input shape it has seen (two caches of 1024, ~0.5 MB each): ragged batches
+    would grow the process for hours (the soak saw 7 MB/min). A oneDNN linear therefore only sees 1..16 rows as
+    they are, then these buckets (zero rows padded; a row's result does not depend on the others), and more rows in
+    chunks of 256. The fused step (csrc/fused.cpp `row_bucket`) uses the same buckets."""
+    return m if m <= 16 else next((b for b in ROW_BUCKETS if m <= b), CHUNK_ROWS)
+
+
+def onednn_linear(x2: torch.Tensor, packed, bias) -> torch.Tensor:
+    """[M, in] -> [M, out] on a packed weight, with the row count bucketed (see `row_bucket`)."""
+    m = x2.shape[0]
+    if m > CHUNK_ROWS:
+        return torch.cat([onednn_linear(x2[r:r + CHUNK_ROWS], packed, bias) for r in range(0, m, CHUNK_ROWS)])
+    b = row_bucket(m)
+    if b != m:
+        x2 = torch.cat((x2, x2.new_zeros(b - m, x2.shape[1])))
+    y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, bias, "none", [], "")
+    return y[:m] if b != m else y
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` (fp32, CPU) whose weight lives only in oneDNN's reordered layout; `forward(x)` = x W^T + b."""
 
@@ -48,7 +72,9 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        lead = x.shape[:-1]
+        y = onednn_linear(x.reshape(-1, self.in_features), self.packed, self.bias)
+        return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=onednn-packed"

@@ -88,9 +88,10 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)               # [rows, in]
         if self.prefill_packed is not None and x2.shape[0] >= self.prefill_min_rows:
-            y = torch.ops.mkldnn._linear_pointwise(x2.float().contiguous(), self.prefill_packed, self.bias,
-                                                   "none", [], "").to(x.dtype)
-            return y.reshape(*lead, self.out_features)
+            from specbuild.engines.embedded.kernels import onednn_linear
+
+            y = onednn_linear(x2.float().contiguous(), self.prefill_packed, self.bias)
+            return y.to(x.dtype).reshape(*lead, self.out_features)
         if x2.device.type == "cpu" and _has_pack_kernel():
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight,
                                                    self.scales_bf16).to(x.dtype)
@@ -221,7 +222,9 @@ class BlockLinear(nn.Module):
         if y is None:
             packed = self.prefill_weight() if x2.device.type == "cpu" and self.prefill_copy else None
             if packed is not None:
-                y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
+                from specbuild.engines.embedded.kernels import onednn_linear
+
+                y = onednn_linear(x2, packed, self.bias)
             else:
                 y = F.linear(x2, self.dense_weight().to(x2.device), self.bias)
         return y.to(x.dtype).reshape(*lead, self.out_features)

@@ -124,5 +124,5 @@ def make_generator(seed: int | None, device) -> torch.Generator:
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(int(seed) % (2 ** 63))
+        g.manual_seed(int(seed) % (2 ** 64))      # the contract's seed is UINT64: every value its own stream
     return g

@@ -188,6 +188,44 @@ void block_gemm(int kind, const float* x, int64_t M, int64_t K, const void* qs, 
 // ---- one linear layer of any kind the engine holds --------------------------------------------------------
 enum Kind { PACKED_FP32 = 0, Q4_1 = 1, Q8_0 = 2, DENSE = 3, INT8_ROWWISE = 4 };
 
+// oneDNN keeps one primitive per input shape it has seen (two caches of 1024 entries, ~0.5 MB each): ragged
+// batches would show it a new row count at every other step and grow the process for hours. So a oneDNN linear
+// only ever sees a bounded set of row counts: 1..16 as they are, then 24, 32, 48, 64, 96, 128, 192, 256 (the
+// rows padded with zeros; a row's result does not depend on the others), and more rows in chunks of 256.
+inline int64_t row_bucket(int64_t m) {
+  if (m <= 16) return m;
+  for (int64_t b : {24, 32, 48, 64, 96, 128, 192, 256})
+    if (m <= b) return b;
+  return 256;
+}
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  auto call = [&](const torch::Tensor& in) {
+    torch::jit::Stack st;
+    st.emplace_back(in);
+    st.emplace_back(w);
+    st.emplace_back(bias.defined() ? c10::IValue(bias) : c10::IValue());
+    st.emplace_back(std::string("none"));
+    st.emplace_back(c10::List<std::optional<at::Scalar>>());
+    st.emplace_back(std::string(""));
+    op.callBoxed(&st);
+    return st[0].toTensor();
+  };
+  const int64_t M = x.size(0);
+  if (M > 256) {
+    std::vector<torch::Tensor> parts;
+    for (int64_t r = 0; r < M; r += 256) parts.push_back(onednn_linear(x.narrow(0, r, std::min<int64_t>(256, M - r)),
+                                                                       w, bias));
+    return torch::cat(parts, 0);
+  }
+  const int64_t B = row_bucket(M);
+  if (B == M) return call(x);
+  auto padded = torch::zeros({B, x.size(1)}, x.options());
+  padded.narrow(0, 0, M).copy_(x);
+  return call(padded).narrow(0, 0, M);
+}
+
 struct Linear {
   int64_t kind = DENSE;
   torch::Tensor w, qs, d, m, bias, prefill;      // prefill: an fp32 oneDNN copy for many rows (int8), or undefined
@@ -196,18 +234,8 @@ struct Linear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {   // x [M, K] float32 contiguous -> [M, N]
     const int64_t M = x.size(0);
-    if (kind == PACKED_FP32 || (prefill.defined() && M >= prefill_min_rows)) {
-      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-      torch::jit::Stack st;
-      st.emplace_back(x);
-      st.emplace_back(kind == PACKED_FP32 ? w : prefill);
-      st.emplace_back(bias.defined() ? c10::IValue(bias) : c10::IValue());
-      st.emplace_back(std::string("none"));
-      st.emplace_back(c10::List<std::optional<at::Scalar>>());
-      st.emplace_back(std::string(""));
-      op.callBoxed(&st);
-      return st[0].toTensor();
-    }
+    if (kind == PACKED_FP32 || (prefill.defined() && M >= prefill_min_rows))
+      return onednn_linear(x, kind == PACKED_FP32 ? w : prefill, bias);
     if (kind == Q4_1 || kind == Q8_0) {
       auto y = torch::empty({M, N}, x.options());
       block_gemm(kind, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
