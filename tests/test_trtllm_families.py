@@ -117,6 +117,8 @@ def test_llmapi_names_per_release(tmp_path, opts, tiny_llama_draft, version, dec
     assert launch["argv"][-2:] == [flag, str(root.resolve() / "trtllm_serve.yaml")]
     assert launch["container"] == f"nvcr.io/nvidia/tensorrt-llm/release:{version}"
     assert launch["triton_container"] == ENGINE_CONTAINERS[version.rsplit(".", 1)[0]]
+    # upstream's llmapi model.py sets decoupled / max_batch_size from model.yaml in auto_complete_config()
+    assert "--disable-auto-complete-config" not in launch["triton_argv"]
 
 
 def test_engine_path_past_1_2_is_refused_from_the_cli_and_nothing_is_written(tmp_path, tiny_llama, tiny_llama_draft):

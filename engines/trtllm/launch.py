@@ -68,7 +68,10 @@ def llmapi_launch(s: Settings, repo: Path, target_dir: Path, options_yaml: Path)
     serve = ["trtllm-serve", str(target_dir), "--backend", "pytorch", "--host", s.host, "--port", str(s.http_port),
              flag, str(options_yaml)]
     triton = ["mpirun", "--allow-run-as-root", "-n", "1", "trtllm-llmapi-launch"] if s.target_world > 1 else []
-    triton += [*_server_args(s, repo), *_tail(0)]
+    # No --disable-auto-complete-config here: upstream's llmapi model.py sets decoupled and max_batch_size from
+    # model.yaml's triton_config in auto_complete_config() (read at TensorRT-LLM's triton_backend, tensorrtllm_backend
+    # c2e65b8 llmapi/tensorrt_llm/1/model.py); config.pbtxt declares neither.
+    triton += [*_server_args(s, repo), "--backend-config=python,shm-region-prefix-name=prefix0_"]
     return {"argv": serve, "env": {}, "world_size": 1, "container": s.recipe.container, "triton_argv": triton,
             "triton_container": _triton_container(s),
             "triton_note": "Triton's llmapi model runs in a tritonserver:<yy.mm>-trtllm-python-py3 image that ships "
