@@ -135,6 +135,7 @@ def write_summary_csv(out_dir: Path, cells: list[dict[str, Any]]) -> Path:
 
 AIPERF_JSON = "profile_export_aiperf.json"
 AIPERF_CSV = "profile_export_aiperf.csv"
+AIPERF_JSONL = "profile_export.jsonl"
 AIPERF_MATCHED = "aiperf 0.13.0 (PyPI): profile_export_aiperf.json schema 1.4, profile_export_aiperf.csv"
 AIPERF_STATS = ("avg", "min", "max", "sum", "p1", "p5", "p10", "p25", "p50", "p75", "p90", "p95", "p99", "std")
 # tag -> (header, unit), in AIPerf's display order
@@ -153,6 +154,7 @@ AIPERF_METRICS = {
     "error_request_count": ("Error Request Count", "requests"),
     "total_output_tokens": ("Total Output Tokens", "tokens"),
     "total_isl": ("Total Input Sequence Length", "tokens"),
+    "total_osl": ("Total Output Sequence Length", "tokens"),
     "benchmark_duration": ("Benchmark Duration", "sec"),
 }
 
@@ -165,7 +167,11 @@ def aiperf_stats(values: list[float], unit: str) -> dict[str, Any] | None:
     out = {"unit": unit, **{k: base[k] for k in AIPERF_STATS if k in base}}
     out["sum"] = float(sum(values))
     out["count"] = len(values)
-    return {k: out[k] for k in ("unit", *AIPERF_STATS, "count")}
+    return {k: out[k] for k in AIPERF_JSON_KEYS}
+
+
+AIPERF_JSON_KEYS = ("unit", "avg", "p1", "p5", "p10", "p25", "p50", "p75", "p90", "p95", "p99", "min", "max", "std",
+                    "count", "sum")   # the key order of aiperf's JSON
 
 
 def aiperf_export(samples: list[dict[str, Any]], *, stream: bool, window_s: float,
@@ -177,8 +183,7 @@ def aiperf_export(samples: list[dict[str, Any]], *, stream: bool, window_s: floa
     m: dict[str, Any] = {}
     if stream:
         m["time_to_first_token"] = aiperf_stats([s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None], "ms")
-        m["time_to_second_token"] = aiperf_stats(
-            [s["ttft_ms"] + s["itl_ms"][0] for s in ok if s.get("ttft_ms") is not None and s.get("itl_ms")], "ms")
+        m["time_to_second_token"] = aiperf_stats([s["itl_ms"][0] for s in ok if s.get("itl_ms")], "ms")
     m["request_latency"] = aiperf_stats([s["e2e_ms"] for s in ok], "ms")
     if stream:
         tpot = [s["tpot_ms"] for s in ok if s.get("tpot_ms")]
@@ -198,6 +203,7 @@ def aiperf_export(samples: list[dict[str, Any]], *, stream: bool, window_s: floa
         m["error_request_count"] = {"unit": "requests", "avg": float(len(failed))}
     m["total_output_tokens"] = {"unit": "tokens", "avg": float(tokens)}
     m["total_isl"] = {"unit": "tokens", "avg": float(sum(s.get("input_tokens") or 0 for s in ok))}
+    m["total_osl"] = {"unit": "tokens", "avg": float(tokens)}
     out: dict[str, Any] = {"schema_version": "1.4", "aiperf_version": None, "generated_by": "specbuild loadtest"}
     out.update({k: v for k, v in m.items() if v is not None})
     out["input_config"] = input_config
@@ -228,6 +234,33 @@ def aiperf_csv(export: dict[str, Any]) -> str:
         for tag in systems:
             w.writerow([name(tag), num(metrics[tag].get("avg"))])
     return buf.getvalue()
+
+
+def aiperf_records(samples: list[dict[str, Any]], *, stream: bool) -> str:
+    """AIPerf's per-request `profile_export.jsonl` of one run."""
+    lines = []
+    for s in samples:
+        start = int(s["start"] * 1e9)
+        meta = {"request_start_ns": start, "request_end_ns": start + int((s.get("e2e_ms") or 0) * 1e6),
+                "benchmark_phase": "profiling", "was_cancelled": False}
+        if not s.get("ok"):
+            lines.append(json.dumps({"metadata": meta, "metrics": {}, "error": {"message": s.get("error")}}))
+            continue
+        metrics: dict[str, Any] = {"request_latency": s["e2e_ms"], "output_sequence_length": s.get("tokens")}
+        if s.get("input_tokens") is not None:
+            metrics["input_sequence_length"] = s["input_tokens"]
+        if stream:
+            metrics["time_to_first_token"] = s.get("ttft_ms")
+            if s.get("itl_ms"):
+                metrics["time_to_second_token"] = s["itl_ms"][0]
+                metrics["inter_chunk_latency"] = s["itl_ms"]
+            if s.get("tpot_ms"):
+                metrics["inter_token_latency"] = s["tpot_ms"]
+                metrics["output_token_throughput_per_user"] = 1000.0 / s["tpot_ms"]
+        units = {k: AIPERF_METRICS[k][1] for k in metrics}
+        lines.append(json.dumps({"metadata": meta, "metrics": {k: {"value": v, "unit": units[k]}
+                                                               for k, v in metrics.items() if v is not None}}))
+    return "".join(line + "\n" for line in lines)
 
 
 def write_aiperf(out_dir: Path, cells: list[dict[str, Any]]) -> dict[str, Path]:

@@ -170,8 +170,14 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
              "genai_perf": export.write_genai_perf(out_dir, report["cells"]),
              **export.write_aiperf(out_dir, report["cells"]),
              "csv": export.write_summary_csv(out_dir, report["cells"])}
-    paths.update(_plots(out_dir, report["cells"]))
-    paths.update(sweep_plots(out_dir, report.get("curves") or [], report["cells"]))
+    # A plot that cannot be drawn is noted in the report; it never costs the report (or what was measured).
+    report["plot_errors"] = []
+    for draw in (lambda: _plots(out_dir, report["cells"]),
+                 lambda: sweep_plots(out_dir, report.get("curves") or [], report["cells"])):
+        try:
+            paths.update(draw())
+        except Exception as e:  # noqa: BLE001  (matplotlib raises many types)
+            report["plot_errors"].append(f"{type(e).__name__}: {e}")
     for c in report["cells"]:
         c.pop("_raw", None)   # raw samples stay in the run directories, not in report.json
         c.pop("_genai_perf", None)   # in profile_export_genai_perf.json
@@ -262,6 +268,8 @@ def render_markdown(report: dict[str, Any]) -> str:
               "docs/loadtests.md."]
     if report.get("plots"):
         lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in report["plots"].items()]
+    if report.get("plot_errors"):
+        lines += ["", "Plots that could not be drawn: " + "; ".join(report["plot_errors"])]
     return "\n".join(lines) + "\n"
 
 

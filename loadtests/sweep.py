@@ -152,9 +152,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def bootstrap(off: dict[str, Any], on: dict[str, Any], kind: str, *, n: int = BOOTSTRAP,
-              seed: int = 0) -> dict[str, Any] | None:
-    """P(gain > 1) and the 90 % interval of the gain, resampling each run's requests with replacement."""
+def bootstrap(off: dict[str, Any], on: dict[str, Any], kind: str, *, n: int = BOOTSTRAP, seed: int = 0,
+              point: float | None = None) -> dict[str, Any] | None:
+    """P(gain > 1) and the 90 % interval of the gain, resampling each run's requests with replacement. For
+    throughput the resampled statistic is sum(tokens) / sum(e2e); its relative spread is applied to `point`
+    (the runs' tok/s ratio), so the interval is around the gain the report shows."""
     import numpy as np
 
     a, b = off.get("_raw") or {}, on.get("_raw") or {}
@@ -175,6 +177,8 @@ def bootstrap(off: dict[str, Any], on: dict[str, Any], kind: str, *, n: int = BO
         rx = tx[ix].sum(axis=1) / ex[ix].sum(axis=1)
         ry = ty[iy].sum(axis=1) / ey[iy].sum(axis=1)
         gains = ry / rx                                   # on / off: > 1 = more tokens per second
+        if point is not None:   # the spread of the resampled ratio, around the run's own tok/s ratio
+            gains = gains * (point / ((ty.sum() / ey.sum()) / (tx.sum() / ex.sum())))
     lo, hi = np.percentile(gains, [5, 95])
     return {"p_gain_gt_1": float((gains > 1).mean()), "ci90": [float(lo), float(hi)], "resamples": n}
 
@@ -189,15 +193,16 @@ def point_gain(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
         "objective": kind, "requests": [off.get("requests"), on.get("requests")],
     }
     row["gain"] = row["e2e_speedup"] if kind == "latency" else row["throughput_gain"]
-    row["confidence"] = bootstrap(off, on, kind)
+    row["confidence"] = bootstrap(off, on, kind, point=row["gain"])
     return row
 
 
 def curves(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
-    """Per profile and non-baseline setting: its gain at each swept point, and the crossover."""
+    """Per profile and non-baseline setting: its gain at each swept point, and the crossover. A point where
+    either run did not measure (too slow, failed, ...) is kept, with its statuses and no gain."""
     if baseline is None:
         return []
-    swept = [c for c in cells if c.get("sweep") and c.get("status") == "ok"]
+    swept = [c for c in cells if c.get("sweep")]
     out = []
     for profile in dict.fromkeys(c["profile"] for c in swept):
         mine = [c for c in swept if c["profile"] == profile]
@@ -207,8 +212,16 @@ def curves(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[str, 
             points = []
             for on in sorted((c for c in mine if c["setting"] == setting), key=point_of):
                 off = offs.get(point_of(on))
-                if off is not None:
+                if off is None:
+                    continue
+                if off.get("status") == "ok" and on.get("status") == "ok":
                     points.append({"value": point_of(on), **point_gain(off, on)})
+                else:
+                    points.append({"value": point_of(on), "gain": None, "objective": objective(on),
+                                   "status": {"baseline": off.get("status"), "setting": on.get("status")},
+                                   "requests": [off.get("requests"), on.get("requests")], "confidence": None,
+                                   **{k: None for k in ("ttft_speedup", "tpot_speedup", "e2e_speedup",
+                                                        "throughput_gain")}})
             out.append({"profile": profile, "setting": setting, "baseline": baseline, "param": param,
                         "points": points, "crossover": crossover(points)})
     return out

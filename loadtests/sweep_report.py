@@ -40,6 +40,12 @@ def curves_markdown(curves: list[dict[str, Any]]) -> list[str]:
              "TPOT | e2e | tok/s | requests (base / setting) |", "|" + "---|" * 12]
     for cv in curves:
         for p in cv["points"]:
+            if p.get("status"):   # a run that did not measure: no gain at this point
+                st = p["status"]
+                lines.append(f"| {cv['profile']} | {cv['setting']} vs {cv['baseline']} | {cv['param']}={p['value']:g} | "
+                             f"{p['objective']} | not measured (baseline: {st['baseline']}; setting: "
+                             f"{st['setting']}) | - | - | - | - | - | - | {p['requests'][0]} / {p['requests'][1]} |")
+                continue
             conf = p.get("confidence") or {}
             ci = conf.get("ci90")
             lines.append(f"| {cv['profile']} | {cv['setting']} vs {cv['baseline']} | {cv['param']}={p['value']:g} | "
@@ -97,8 +103,9 @@ def sweep_plots(out_dir: Path, curves: list[dict[str, Any]], cells: list[dict[st
                 if not pts:
                     continue
                 xs, ys = [p["value"] for p in pts], [p["gain"] for p in pts]
-                lo = [p["gain"] - ((p.get("confidence") or {}).get("ci90") or [p["gain"]] * 2)[0] for p in pts]
-                hi = [((p.get("confidence") or {}).get("ci90") or [p["gain"]] * 2)[1] - p["gain"] for p in pts]
+                cis = [((p.get("confidence") or {}).get("ci90") or [p["gain"]] * 2) for p in pts]
+                lo = [max(0.0, p["gain"] - ci[0]) for p, ci in zip(pts, cis)]   # an interval beside the point:
+                hi = [max(0.0, ci[1] - p["gain"]) for p, ci in zip(pts, cis)]   # no negative error bar
                 ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=f"{cv['setting']} vs {cv['baseline']}")
             ax.axhline(1.0, color="grey", lw=1, ls="--")
             param = next(c["param"] for c in curves if c["profile"] == profile)

@@ -197,10 +197,11 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
         summary["started_with_in_flight"] = left
     summary["run_dir"] = str(run_dir)
     (run_dir / "profile_export_genai_perf.json").write_text(json.dumps(summary["_genai_perf"], indent=2) + "\n")
-    from specbuild.loadtests.export import AIPERF_CSV, AIPERF_JSON, aiperf_csv
+    from specbuild.loadtests.export import AIPERF_CSV, AIPERF_JSON, AIPERF_JSONL, aiperf_csv, aiperf_records
 
     (run_dir / AIPERF_JSON).write_text(json.dumps(summary["_aiperf"], indent=2) + "\n")
     (run_dir / AIPERF_CSV).write_text(aiperf_csv(summary["_aiperf"]))
+    (run_dir / AIPERF_JSONL).write_text(aiperf_records(cell.samples, stream=profile.stream))
     kept = {k: v for k, v in summary.items() if not k.startswith("_") and k != "run_dir"}
     (run_dir / "summary.json").write_text(json.dumps(kept, indent=2, default=str) + "\n")
     if summary["status"] != "ok":
@@ -240,15 +241,31 @@ def loadtest(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None)
             error = f"{type(e).__name__}: {e}"
             log.exception("load test aborted")
         _finish_report(report, interrupted, error)
-        from specbuild.loadtests import report as rep
-
-        paths = rep.write_report(tmp, report)
+        paths = _write_report(tmp, report)
         write_manifest(tmp, Manifest(stage="loadtest", inputs={"url": cfg.url, "model": report["model"]},
                                      options={k: str(v) for k, v in cfg.__dict__.items()},
                                      outputs={k: p.name for k, p in paths.items()}))
     say(f"report: {out_dir / 'report.md'}")
     _raise_for(report, out_dir)
     return report
+
+
+def _write_report(tmp: Path, report: dict[str, Any]) -> dict[str, Path]:
+    """The report files; if rendering them fails, report.json alone (with the error) and the run directories
+    are kept: what was measured is never lost to a report bug."""
+    from specbuild.loadtests import report as rep
+
+    try:
+        return rep.write_report(tmp, report)
+    except Exception as e:  # noqa: BLE001
+        log.exception("writing the report failed")
+        for c in report["cells"]:
+            for key in ("_raw", "_genai_perf", "_aiperf"):
+                c.pop(key, None)
+        report["status"], report["error"] = "error", f"writing the report failed ({type(e).__name__}: {e})"
+        path = tmp / "report.json"
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        return {"json": path}
 
 
 def _prepare(cfg: LoadtestConfig, say) -> tuple[list[Run], dict, dict[str, Any]]:
@@ -375,7 +392,7 @@ def _finish_report(report: dict[str, Any], interrupted: bool, error: str | None)
 
     ok = [c for c in report["cells"] if c["status"] == "ok"]
     report["gains"] = rep.gain_table(ok, report["baseline"])
-    report["curves"] = curves(ok, report["baseline"]) if report["sweep"] else []
+    report["curves"] = curves(report["cells"], report["baseline"]) if report["sweep"] else []
     report["status"] = overall_status(report["cells"], interrupted=interrupted, error=error)
     report["error"] = error
     if report["not_run"]:

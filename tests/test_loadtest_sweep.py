@@ -65,6 +65,13 @@ def test_gain_curve_crossover_and_confidence():
     [curve] = sweep.curves(cells, "off")
     assert all(p["objective"] == "throughput" and p["gain"] == pytest.approx(1.5) for p in curve["points"])
     assert curve["crossover"]["value"] == 4 and curve["crossover"]["beyond_sweep"]
+    # a point whose run was too slow to measure stays in the curve, without a gain
+    slow = _cell("batch", "k4", 8, 600.0, stream=False)
+    slow["status"] = "too slow to measure here"
+    cells += [_cell("batch", "off", 8, 900.0, stream=False), slow]
+    [curve] = sweep.curves(cells, "off")
+    assert curve["points"][-1]["gain"] is None and curve["points"][-1]["status"]["setting"] == slow["status"]
+    assert curve["crossover"]["value"] == 4 and not curve["crossover"]["beyond_sweep"]
     never = sweep.crossover([{"value": 1, "gain": 0.9, "confidence": None}])
     assert never["value"] is None and "never beats" in never["note"]
 
@@ -145,10 +152,11 @@ def test_aiperf_export_names_statistics_and_csv_layout():
     for tag in ("time_to_first_token", "time_to_second_token", "request_latency", "inter_token_latency",
                 "inter_chunk_latency", "output_token_throughput_per_user", "output_sequence_length",
                 "input_sequence_length"):
-        assert tuple(out[tag]) == ("unit", *export.AIPERF_STATS, "count"), tag
+        assert tuple(out[tag]) == ("unit", "avg", "p1", "p5", "p10", "p25", "p50", "p75", "p90", "p95", "p99",
+                                   "min", "max", "std", "count", "sum"), tag   # aiperf 0.13's keys, in its order
     assert out["request_latency"]["unit"] == "ms" and out["request_latency"]["count"] == 5
     assert out["request_latency"]["p50"] == 202.0 and out["request_latency"]["sum"] == 1010.0
-    assert out["time_to_second_token"]["min"] == 30.0                      # TTFT + the first gap
+    assert out["time_to_second_token"]["min"] == 10.0                      # the first gap (first -> second piece)
     assert out["inter_chunk_latency"]["count"] == 10                       # every gap (our ITL)
     assert out["output_token_throughput_per_user"]["max"] == pytest.approx(250.0)   # 1 / TPOT of 4 ms
     assert out["output_token_throughput"] == {"unit": "tokens/sec", "avg": 21.0}
@@ -161,3 +169,47 @@ def test_aiperf_export_names_statistics_and_csv_layout():
     names = [r[0] for r in rows if r]
     assert "Request Latency (ms)" in names and "Output Token Throughput (tokens/sec)" in names
     assert "Request Count" in names and ["Metric", "Value"] in rows and [] in rows   # two sections
+    records = [json.loads(line) for line in export.aiperf_records(_samples(), stream=True).splitlines()]
+    assert len(records) == 6 and records[-1]["error"] and records[0]["metrics"]["request_latency"] == \
+        {"value": 200.0, "unit": "ms"}
+    assert records[0]["metrics"]["inter_chunk_latency"]["value"] == [10.0, 12.0]
+    assert records[0]["metadata"]["request_end_ns"] - records[0]["metadata"]["request_start_ns"] == 200_000_000
+
+
+def _summarized(tmp_path, setting, e2e, n=20):
+    from specbuild.loadtests import report as rep
+    from specbuild.loadtests.runner import CellResult
+
+    samples = [{"kind": "request", "ok": True, "start": 100.0 + i, "e2e_ms": e2e * (1 + (i % 5) / 50),
+                "ttft_ms": None, "itl_ms": [], "tpot_ms": e2e / 64, "tokens": 64, "input_tokens": 20}
+               for i in range(n)]
+    cell = rep.summarize_cell(CellResult("batch", setting, tmp_path, 0, 30.0, samples=samples,
+                                         stop={"reason": "complete"}), stream=False, users=4)
+    cell["sweep"] = {"param": "users", "value": 4}
+    return cell
+
+
+def test_the_report_survives_a_plot_that_cannot_be_drawn_and_a_report_bug(tmp_path, monkeypatch):
+    from specbuild.loadtests import report as rep
+    from specbuild.loadtests import sweep_report
+    from specbuild.pipeline import loadtest
+
+    def report():
+        cells = [_summarized(tmp_path, "off", 900.0), _summarized(tmp_path, "k4", 600.0)]
+        return {"url": "u", "model": "m", "protocol": "http", "started": "t", "status": "ok", "cells": cells,
+                "curves": sweep.curves(cells, "off"), "sweep": {"batch": {"param": "users", "values": [4]}},
+                "gains": []}
+
+    r = report()
+    r["curves"][0]["points"][0]["confidence"]["ci90"] = [9.0, 9.5]   # an interval beside the point gain
+    rep.write_report(tmp_path / "a", r)
+    assert (tmp_path / "a" / "gain_vs_load.png").is_file() and not r["plot_errors"]
+    monkeypatch.setattr(sweep_report, "sweep_plots", lambda *a: 1 / 0)
+    r = report()
+    rep.write_report(tmp_path / "b", r)   # the plot's error is in the report, not raised
+    assert "ZeroDivisionError" in r["plot_errors"][0]
+    assert "could not be drawn" in (tmp_path / "b" / "report.md").read_text()
+    monkeypatch.setattr(rep, "write_report", lambda *a: 1 / 0)   # a bug in the report itself
+    (tmp_path / "c").mkdir()
+    data = json.loads(loadtest._write_report(tmp_path / "c", report())["json"].read_text())
+    assert data["status"] == "error" and "writing the report failed" in data["error"] and len(data["cells"]) == 2
