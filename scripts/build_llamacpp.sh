@@ -22,11 +22,23 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 BINS=(llama-server llama-bench llama-quantize llama-completion llama-speculative-simple)
 
-complete() {
+built() {
   [ -f "$PREFIX/BUILD.json" ] || return 1
   for b in "${BINS[@]}"; do [ -x "$PREFIX/bin/$b" ] || return 1; done
-  [ -f "$PREFIX/models/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ -f "$PREFIX/models/SmolLM2-135M-Instruct.F32.gguf" ] \
-    && [ -f "$PREFIX/models/tokenizer/tokenizer.json" ]
+  [ -f "$PREFIX/models/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ -f "$PREFIX/models/SmolLM2-135M-Instruct.F32.gguf" ]
+}
+complete() { built && [ -f "$PREFIX/models/tokenizer/tokenizer.json" ]; }
+
+# The demo model's tokenizer, exported from the GGUF (written to a temp dir, renamed into place).
+tokenizer() {
+  "$PYTHON" - "$1" <<'EOF'
+import os, sys, tempfile
+from transformers import AutoTokenizer
+models = sys.argv[1]
+tmp = tempfile.mkdtemp(dir=models, prefix=".tmp-tokenizer-")
+AutoTokenizer.from_pretrained(models, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(tmp)
+os.replace(tmp, os.path.join(models, "tokenizer"))
+EOF
 }
 
 if complete; then echo "llama.cpp $VERSION: already built in $PREFIX"; exit 0; fi
@@ -37,6 +49,9 @@ mkdir -p "$CACHE/locks"
 exec 9>"$CACHE/locks/llama.cpp-11434.lock"
 flock 9   # one build at a time; a second caller waits, then finds it complete
 if complete; then echo "llama.cpp $VERSION: already built in $PREFIX"; exit 0; fi
+if built; then   # a build from before the tokenizer was exported: add it, nothing else
+  tokenizer "$PREFIX/models" && echo "llama.cpp $VERSION: added the tokenizer to $PREFIX/models" && exit 0
+fi
 
 WORK="$(mktemp -d "$CACHE/.tmp-llama.cpp-11434-XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
@@ -70,12 +85,7 @@ cp "$GGUF" "$STAGE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 "$STAGE/bin/llama-quantize" --allow-requantize "$STAGE/models/SmolLM2-135M-Instruct.Q4_1.gguf" \
   "$STAGE/models/SmolLM2-135M-Instruct.F32.gguf" F32 >"$WORK/quantize.log" 2>&1 || { tail -20 "$WORK/quantize.log" >&2; exit 1; }
 
-"$PYTHON" - "$STAGE/models" <<'EOF'
-import sys
-from transformers import AutoTokenizer
-models = sys.argv[1]
-AutoTokenizer.from_pretrained(models, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(f"{models}/tokenizer")
-EOF
+tokenizer "$STAGE/models"
 "$STAGE/bin/llama-server" --version >"$WORK/version.txt" 2>&1 || true
 "$PYTHON" - "$STAGE" "$VERSION" "$WORK/version.txt" "${FLAGS[*]}" <<'EOF'
 import json, sys

@@ -320,6 +320,9 @@ def test_grpc_streaming_with_distributed_locust(embedded, tmp_path):
     assert cell["requests"] > 0 and cell["failures"] == 0 and cell["ttft_ms"]["count"] == cell["requests"]
     run = out / "runs" / "chat" / "default"
     assert (run / "locust-worker0.log").is_file() and (run / "locust-worker1.log").is_file()
+    types = json.loads((run / "runspec.json").read_text())["datatypes"]   # the wire module's, as declared
+    assert types["text_input"] == "BYTES" and types["max_tokens"] == "INT32" and types["stream"] == "BOOL"
+    assert types["temperature"] == "FP32" and types["min_tokens"] == "INT32"
     assert len(list((run / "samples").glob("samples-*.jsonl"))) == 2   # one file per worker process
 
 
