@@ -193,9 +193,7 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    from specbuild.loadtests.sweep_report import curves_markdown, load_label as _load, speculation_markdown
-
+def _header(report: dict[str, Any]) -> list[str]:
     api = report.get("api", "kserve")
     lines = ["# Load test report", "", f"- target: `{report['url']}` model `{report['model']}` "
              f"over {report['protocol'] if api == 'kserve' else api}", f"- started: {report['started']}",
@@ -211,7 +209,30 @@ def render_markdown(report: dict[str, Any]) -> str:
         pr = report["prompts"]
         lines.append(f"- prompts: {pr['records']} records from `{pr['file']}` ({pr['format']}), lengths from "
                      f"{'the data' if pr['lengths'] == 'data' else 'the profile'}")
-    lines.append("")
+    return lines + [""]
+
+
+def _quality(report: dict[str, Any]) -> list[str]:
+    from specbuild.loadtests.sweep_report import load_label as _load
+
+    lines: list[str] = []
+    lines += ["", "## Measurement quality", "",
+              "| profile | setting | load | harness overhead p50 ms | zero-work probe p50 ms | Locust CSV E2E median | "
+              "cross-check TTFT / e2e (independent / Locust) |", "|" + "---|" * 7]
+    for c in report["cells"]:
+        cc = c.get("cross_check") or {}
+        lines.append(f"| {c['profile']} | {c['setting']} | {_load(c)} | "
+                     f"{_f(_p(c['harness']['overhead_ms'], 'p50'), '{:.3f}')} | "
+                     f"{_f(_p(c['harness']['zero_work_probe_ms'], 'p50'), '{:.2f}')} | "
+                     f"{_f(c['locust'].get('E2E', {}).get('median_ms'))} | "
+                     f"{_f(cc.get('ttft_ratio'), '{:.3f}')} / {_f(cc.get('e2e_ratio'), '{:.3f}')} |")
+    return lines
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    from specbuild.loadtests.sweep_report import curves_markdown, load_label as _load, speculation_markdown
+
+    lines = _header(report)
     if report.get("note"):
         lines += [f"**{report['note']}**", ""]
     lines += ["## Latency and throughput", "",
@@ -235,17 +256,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{_f(g['tpot_speedup'], '{:.2f}x')} | {_f(g['e2e_speedup'], '{:.2f}x')} | "
                          f"{_f(g['throughput_gain'], '{:.2f}x')} | {_f(g['acceptance_rate'], '{:.2f}')} | "
                          f"{_f(g['mean_accepted_length'], '{:.2f}')} |")
-    lines += speculation_markdown(report["cells"])
-    lines += ["", "## Measurement quality", "",
-              "| profile | setting | load | harness overhead p50 ms | zero-work probe p50 ms | Locust CSV E2E median | "
-              "cross-check TTFT / e2e (independent / Locust) |", "|" + "---|" * 7]
-    for c in report["cells"]:
-        cc = c.get("cross_check") or {}
-        lines.append(f"| {c['profile']} | {c['setting']} | {_load(c)} | "
-                     f"{_f(_p(c['harness']['overhead_ms'], 'p50'), '{:.3f}')} | "
-                     f"{_f(_p(c['harness']['zero_work_probe_ms'], 'p50'), '{:.2f}')} | "
-                     f"{_f(c['locust'].get('E2E', {}).get('median_ms'))} | "
-                     f"{_f(cc.get('ttft_ratio'), '{:.3f}')} / {_f(cc.get('e2e_ratio'), '{:.3f}')} |")
+    lines += speculation_markdown(report["cells"]) + _quality(report)
     unmeasured = [c for c in report["cells"] if c.get("status", "ok") != "ok"]
     if unmeasured:
         lines += ["", "## Runs that did not complete a measurement", ""]

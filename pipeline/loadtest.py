@@ -142,34 +142,20 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
     """Measure one setting under one profile: the one path `loadtest` and `tune` share.
 
     Writes `run_dir/` (runspec, Locust CSVs and logs, samples, stop.json, summary.json,
-    profile_export_genai_perf.json) and returns the run's summary (a report cell; `status` says how it
-    ended). Never raises for a failed run; Ctrl-C ends the run within seconds with status "interrupted".
+    profile_export_genai_perf.json, profile_export_aiperf.{json,csv}, profile_export.jsonl) and returns the
+    run's summary (a report cell; `status` says how it ended). Never raises for a failed run; Ctrl-C ends
+    the run within seconds with status "interrupted".
     """
     from specbuild.loadtests import report as rep, target
     from specbuild.loadtests.runner import run_cell
-    from specbuild.loadtests.runspec import RunSpec
 
-    (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-    prompts, counts = session.prompts(profile)
-    payload = session.payload(profile, fields)
-    open_loop = profile.request_rate is not None
-    users = max(1, session.workers) if open_loop else profile.users   # open loop: one sender per process
-    spec = RunSpec(label=profile.name, protocol=session.protocol, url=session.url, grpc_url=session.grpc_url,
-                   model=session.model, stream=profile.stream, payload=payload,
-                   prompts=prompts, prompt_tokens=counts, tokenizer=str(session.counter.path),
-                   samples_dir=str(run_dir / "samples"), run_dir=str(run_dir), wait_time=profile.wait_time,
-                   seed=session.seed, gates=session.gates, grpc_batch_dim=session.info.batch_dim,
-                   min_duration_s=profile.duration, min_requests=profile.min_requests,
-                   max_duration_s=profile.ceiling, api=session.api,
-                   datatypes=wire.datatypes({"text_input": "", **payload}, target=session.target,
-                                            model=session.model) if session.protocol == "grpc" else {},
-                   prompt_output_tokens=session.output_tokens(profile), request_rate=profile.request_rate,
-                   open_loop_users=users)
+    spec, users = _run_spec(session, profile, fields, run_dir)
     idle, left = target.wait_idle(session.metrics_url, timeout=profile.ceiling)
     if not idle:
         say(f"{profile.name} / {setting}: {left:g} requests of the previous run still in flight after "
             f"{profile.ceiling:g} s; measuring anyway (the run starts on a busy server)")
     before = target.scrape(session.metrics_url)
+    open_loop = profile.request_rate is not None
     load = (f"{profile.request_rate:g} requests/s (open loop)" if open_loop else f"{profile.users} users")
     say(f"{profile.name} / {setting}: {load}, {profile.duration:g} s and >= {profile.min_requests} "
         f"requests (ceiling {profile.ceiling:g} s; {'streaming' if profile.stream else 'non-streaming'}, "
@@ -196,20 +182,48 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
     if not idle:
         summary["started_with_in_flight"] = left
     summary["run_dir"] = str(run_dir)
-    (run_dir / "profile_export_genai_perf.json").write_text(json.dumps(summary["_genai_perf"], indent=2) + "\n")
-    from specbuild.loadtests.export import AIPERF_CSV, AIPERF_JSON, AIPERF_JSONL, aiperf_csv, aiperf_records
-
-    (run_dir / AIPERF_JSON).write_text(json.dumps(summary["_aiperf"], indent=2) + "\n")
-    (run_dir / AIPERF_CSV).write_text(aiperf_csv(summary["_aiperf"]))
-    (run_dir / AIPERF_JSONL).write_text(aiperf_records(cell.samples, stream=profile.stream))
-    kept = {k: v for k, v in summary.items() if not k.startswith("_") and k != "run_dir"}
-    (run_dir / "summary.json").write_text(json.dumps(kept, indent=2, default=str) + "\n")
+    _write_run_files(run_dir, summary, cell.samples, profile.stream)
     if summary["status"] != "ok":
         stop = cell.stop or {}
         say(f"{profile.name} / {setting}: {summary['status']} ({summary['requests']} completed, "
             f"{summary['failures']} failed in {cell.duration_s:.0f} s)"
             + (f": {stop.get('server_gone')}" if stop.get("server_gone") else ""))
     return summary
+
+
+def _run_spec(session: Session, profile, fields: dict[str, Any], run_dir: Path):
+    """The run spec the Locust processes read, and how many Locust users it takes (an open loop: one sender
+    per process)."""
+    from specbuild.loadtests.runspec import RunSpec
+
+    (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+    prompts, counts = session.prompts(profile)
+    payload = session.payload(profile, fields)
+    users = max(1, session.workers) if profile.request_rate is not None else profile.users
+    types = wire.datatypes({"text_input": "", **payload}, target=session.target, model=session.model) \
+        if session.protocol == "grpc" else {}
+    spec = RunSpec(label=profile.name, protocol=session.protocol, url=session.url, grpc_url=session.grpc_url,
+                   model=session.model, stream=profile.stream, payload=payload,
+                   prompts=prompts, prompt_tokens=counts, tokenizer=str(session.counter.path),
+                   samples_dir=str(run_dir / "samples"), run_dir=str(run_dir), wait_time=profile.wait_time,
+                   seed=session.seed, gates=session.gates, grpc_batch_dim=session.info.batch_dim,
+                   min_duration_s=profile.duration, min_requests=profile.min_requests,
+                   max_duration_s=profile.ceiling, api=session.api, datatypes=types,
+                   prompt_output_tokens=session.output_tokens(profile), request_rate=profile.request_rate,
+                   open_loop_users=users)
+    return spec, users
+
+
+def _write_run_files(run_dir: Path, summary: dict[str, Any], samples: list, stream: bool) -> None:
+    """One run's own files: GenAI-Perf's and AIPerf's exports, and summary.json."""
+    from specbuild.loadtests.export import AIPERF_CSV, AIPERF_JSON, AIPERF_JSONL, aiperf_csv, aiperf_records
+
+    (run_dir / "profile_export_genai_perf.json").write_text(json.dumps(summary["_genai_perf"], indent=2) + "\n")
+    (run_dir / AIPERF_JSON).write_text(json.dumps(summary["_aiperf"], indent=2) + "\n")
+    (run_dir / AIPERF_CSV).write_text(aiperf_csv(summary["_aiperf"]))
+    (run_dir / AIPERF_JSONL).write_text(aiperf_records(samples, stream=stream))
+    kept = {k: v for k, v in summary.items() if not k.startswith("_") and k != "run_dir"}
+    (run_dir / "summary.json").write_text(json.dumps(kept, indent=2, default=str) + "\n")
 
 
 def _children_cpu() -> float:
