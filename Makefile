@@ -5,13 +5,14 @@ BIN    := $(VENV)/bin
 WORKDIR ?= specbuild-work
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-quick llamacpp clean help
+.PHONY: setup test test-fast demo bench bench-anchor bench-quick llamacpp clean help
 
 help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
 	@echo "make demo    - offline end-to-end demo on SmolLM2-135M-Instruct (convert .. report)"
 	@echo "make test    - the full offline test suite (real tokenizers, models, tritonserver, locust)"
 	@echo "make bench   - engine benchmarks -> bench/results/{engine,served,adaptive}.json (bench-quick: short)"
+	@echo "make bench-anchor - the engine beside llama.cpp, plain and speculative (needs make llamacpp)"
 	@echo "make llamacpp - build llama.cpp (llama-server, llama-bench, ...) once into the cache (~8 min; optional)"
 
 $(BIN)/python:
@@ -22,6 +23,8 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
+	# the fused CPU decode step, compiled for this machine (~1 min; without it the engine runs eager PyTorch)
+	$(BIN)/python -m specbuild.engines.embedded.fused build
 	$(BIN)/specbuild --version
 
 test:
@@ -38,6 +41,10 @@ bench:
 	$(BIN)/python bench/bench_engine.py --runs 2 --out bench/results/engine.json
 	$(BIN)/python bench/bench_served.py --runs 2 --out bench/results/served.json
 	$(BIN)/python bench/bench_adaptive.py --runs 2 --out bench/results/adaptive.json
+
+# llama.cpp beside the engine on the same machine, model and precisions (needs `make llamacpp` once)
+bench-anchor:
+	$(BIN)/python bench/bench_anchor.py --runs 3 --out bench/results/anchor.json
 
 bench-quick:
 	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json
