@@ -67,9 +67,11 @@ def test_block_kernel_computes_what_the_dequantized_linear_computes(scheme, rows
     ref = torch.nn.functional.linear(x, q.dense_weight(), lin.bias)
     got = fused.block_linear(q.kind, x, q.qs, q.d, q.m, q.bias, 40)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
-    # one row's output does not depend on the others (one fixed order of additions per output)
-    alone = fused.block_linear(q.kind, x[:1].clone(), q.qs, q.d, q.m, q.bias, 40)
-    assert torch.equal(alone[0], got[0])
+    # a row's output does not depend on the others nor on its place in the kernel's groups of 4 rows (one fixed
+    # order of additions per output)
+    for r in range(rows):
+        alone = fused.block_linear(q.kind, x[r:r + 1].clone(), q.qs, q.d, q.m, q.bias, 40)
+        assert torch.equal(alone[0], got[r]), r
 
 
 # ---- the fused layers against eager PyTorch ------------------------------------------------------------------

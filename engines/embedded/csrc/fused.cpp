@@ -141,45 +141,30 @@ void block_gemm(int kind, const float* x, int64_t M, int64_t K, const void* qs, 
   const int64_t nb = K / QK;
   const int64_t qbytes = kind == 1 ? 16 : 32;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> row(M > 4 ? K : 0);
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* q = static_cast<const uint8_t*>(qs) + n * nb * qbytes;
       const float* dn = d + n * nb;
       const float* mn = kind == 1 ? m + n * nb : nullptr;
-      auto block = [&](int64_t b, Vec* w) {
-        if (kind == 1) block_q4_1(q + b * qbytes, dn[b], mn[b], w);
-        else block_q8_0(reinterpret_cast<const int8_t*>(q + b * qbytes), dn[b], w);
-      };
-      if (M <= 4) {                                 // decode / short verify: dequantize once, use in registers
+      // Rows in groups of at most 4: each block is dequantized once per group into registers and used for every
+      // row of the group, so a group runs 4 rows x 4 chains of independent fmas (one row alone would wait on the
+      // fma latency of its 4 chains). A row's result is the same whatever its group: its own chains, one order.
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - r0);
+        const float* xg = x + r0 * K;
         Vec acc[4][4];
-        for (int64_t r = 0; r < M; r++)
+        for (int64_t r = 0; r < rows; r++)
           for (int c = 0; c < 4; c++) acc[r][c] = vzero();
         for (int64_t b = 0; b < nb; b++) {
           Vec w[VPB];
-          block(b, w);
-          for (int64_t r = 0; r < M; r++)
+          if (kind == 1) block_q4_1(q + b * qbytes, dn[b], mn[b], w);
+          else block_q8_0(reinterpret_cast<const int8_t*>(q + b * qbytes), dn[b], w);
+          for (int64_t r = 0; r < rows; r++)
             for (int j = 0; j < VPB; j++) {
               Vec& a = acc[r][chain(b, j)];
-              a = vfma(w[j], vload(x + r * K + b * QK + j * VW), a);
+              a = vfma(w[j], vload(xg + r * K + b * QK + j * VW), a);
             }
         }
-        for (int64_t r = 0; r < M; r++) y[r * N + n] = chains_sum(acc[r]) + (bias ? bias[n] : 0.f);
-      } else {                                      // more rows: dequantize the row once, then M dot products
-        for (int64_t b = 0; b < nb; b++) {
-          Vec w[VPB];
-          block(b, w);
-          for (int j = 0; j < VPB; j++) std::memcpy(row.data() + b * QK + j * VW, &w[j], sizeof(Vec));
-        }
-        for (int64_t r = 0; r < M; r++) {          // the same chains and order as the register path
-          Vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
-          const float* xr = x + r * K;
-          for (int64_t b = 0; b < nb; b++)
-            for (int j = 0; j < VPB; j++) {
-              Vec& a = acc[chain(b, j)];
-              a = vfma(vload(row.data() + b * QK + j * VW), vload(xr + b * QK + j * VW), a);
-            }
-          y[r * N + n] = chains_sum(acc) + (bias ? bias[n] : 0.f);
-        }
+        for (int64_t r = 0; r < rows; r++) y[(r0 + r) * N + n] = chains_sum(acc[r]) + (bias ? bias[n] : 0.f);
       }
     }
   });
