@@ -55,6 +55,8 @@ from pathlib import Path
 
 import httpx
 
+from specbuild.pipeline import wire
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def fibonacci(n):", "Triton Inference Server",
            "Once upon a time", "import numpy as np\n"]
@@ -139,16 +141,15 @@ def hostile_body(case: str, prompt: str, max_tokens: int, stream: bool) -> bytes
     return json.dumps(body).encode()     # allow_nan: NaN / Infinity literals, which tritonserver parses
 
 
-def error_message(text: str) -> str:
-    """The `error` of a Triton error body: JSON, or the first SSE event."""
-    for candidate in [text] + [ln[5:] for ln in text.splitlines() if ln.startswith("data:")]:
-        try:
-            doc = json.loads(candidate)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "error" in doc:
-            return str(doc["error"])
-    return text.strip()[:300]
+def classify(status: int, text: str, stream: bool) -> tuple[str, str]:
+    """(label, the server's message) of one answer: `status_label` of it, the error read by
+    `specbuild.pipeline.wire` (an error body, or the first error event of a 200 stream)."""
+    if status != 200:
+        message = wire.error_message(text)
+        return status_label(status, message), message
+    events = (wire.parse_line(wire.KSERVE, ln) for ln in text.splitlines()) if stream else ()
+    message = wire.first_error(e for e in events if e is not None)
+    return status_label(200, stream_error=message is not None), message or ""
 
 
 def status_label(status: int, message: str = "", stream_error: bool = False) -> str:
@@ -444,12 +445,7 @@ class Soak:
                 text = r.read().decode(errors="replace")
         except (httpx.TimeoutException, httpx.TransportError) as e:
             return "transport_error", f"{type(e).__name__}: {e}"
-        if r.status_code != 200:
-            message = error_message(text)
-            return status_label(r.status_code, message), message
-        stream_error = ep == "generate_stream" and any(
-            ln.startswith("data:") and '"error"' in ln for ln in text.splitlines())
-        return status_label(200, stream_error=stream_error), error_message(text) if stream_error else ""
+        return classify(r.status_code, text, stream=ep == "generate_stream")
 
     def _in_fault_window(self, t0: float) -> bool:
         p = self.pause
@@ -481,12 +477,12 @@ class Soak:
             if r.status_code != 200:
                 raise _Refused(r.status_code, r.read().decode(errors="replace"))
             for line in r.iter_lines():
-                if not line.startswith("data:"):
+                event = wire.parse_line(wire.KSERVE, line)
+                if event is None:
                     continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise _Refused(200, event["error"])
-                pieces.append(event.get("text_output", ""))
+                if event.error:
+                    raise _Refused(200, event.error)
+                pieces.append(event.text)
                 if disconnect:
                     return None                          # drop the connection after the first piece
         return "".join(pieces)
@@ -722,7 +718,7 @@ def gate(report: dict, args) -> dict:
                        "warmup_s": args.warmup, "memory_min_life_s": args.memory_min_life}}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, help="a deployed workspace (default: tiny models in a temp dir)")
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
@@ -761,8 +757,137 @@ def main(argv=None) -> int:
                     help="longest wait after the load for live requests to end and slots to free")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def restart_server(soak: Soak, info: list, workdir: Path, opts, total: int | None) -> dict:
+    """SIGKILL the server mid-load and start it again; requests in flight see the connection drop."""
+    from specbuild.pipeline import serve
+
+    print(f"{soak.now():.0f}s: killing the server", flush=True)
+    soak.down.set()
+    soak.phase = "restart"
+    t_kill = time.monotonic()
+    at_s = soak.now()
+    kill_server(info[0])
+    time.sleep(1.0)                             # requests in flight see the connection drop
+    serve.stop(workdir, timeout=20)             # reap and clear the recorded state
+    info[0] = serve.start(workdir, opts)
+    restart_s = round(time.monotonic() - t_kill, 1)
+    soak.new_life()
+    soak.phase = "load"
+    soak.down.clear()
+    threading.Thread(target=soak.warmup_burst, args=(total,), daemon=True).start()
+    print(f"restarted in {restart_s}s", flush=True)
+    return {"kind": "kill", "at_s": round(at_s, 1), "restart_s": restart_s}
+
+
+def load(soak: Soak, args, info: list, workdir: Path, opts, total: int | None) -> list[dict]:
+    """The users' load with the faults (pause, kill) at their times; returns the faults as they happened."""
+    deadline = soak.t_start + args.duration
+    users = [threading.Thread(target=soak.user, args=(i, i < args.chat_users, deadline), daemon=True)
+             for i in range(args.chat_users + args.batch_users)]
+    for u in users:
+        u.start()
+    events, faults = [], []
+    if args.pause_at > 0:
+        events.append((args.pause_at * args.duration, "pause"))
+    if not args.no_restart:
+        events.append((args.duration / 2, "kill"))
+    for at, kind in sorted(events):
+        time.sleep(max(0.0, at - soak.now()))
+        if kind == "kill":
+            faults.append(restart_server(soak, info, workdir, opts, total))
+            continue
+        print(f"{soak.now():.0f}s: pausing the server (SIGSTOP) for {args.pause_s:g}s", flush=True)
+        ev = pause_server(soak, args.pause_s)
+        print(f"{soak.now():.0f}s: resumed (SIGCONT); {ev['inflight_at_pause']} requests were in flight", flush=True)
+        faults.append({"kind": "pause", **ev})
+    for u in users:
+        u.join(max(1.0, deadline - time.monotonic() + args.request_timeout))
+    return faults
+
+
+def drain(soak: Soak, args, info: list, total: int | None) -> tuple[dict, dict, float]:
+    """After the load: wait for live requests to end and slots to free; (end-of-load sample, end metrics, s)."""
+    soak.phase = "drain"
+    end_of_load = soak.sample()
+    t_drain = time.monotonic()
+    end = metrics(info[0].metrics_url)
+    while time.monotonic() - t_drain < args.drain_timeout:
+        end = metrics(info[0].metrics_url)
+        if end.get("live") == 0 and (total is None or end.get("slots_free") == total):
+            break
+        time.sleep(1.0)
+    return end_of_load, end, round(time.monotonic() - t_drain, 1)
+
+
+def abandoned_summary(soak: Soak, end_of_load: dict, drained_s: float, probe, workdir: Path) -> dict:
+    load_samples = [s for s in soak.samples if s["phase"] in ("load", "paused") and s["live"] is not None]
+    return {
+        "generate_given_up": soak.kinds.get("abandoned_generate", 0),
+        "streams_dropped": soak.kinds.get("disconnected_stream", 0),
+        "abandoned_live_max": max((s["abandoned_live"] for s in load_samples), default=None),
+        "abandoned_live_mean": round(statistics.mean(s["abandoned_live"] for s in load_samples), 2)
+        if load_samples else None,
+        "samples_with_no_free_slot": sum(1 for s in load_samples if s["slots_free"] == 0),
+        "samples": len(load_samples),
+        "end_of_load": {k: end_of_load[k] for k in ("live", "slots_free", "running", "waiting",
+                                                     "client_inflight", "abandoned_live")},
+        "drained_after_s": drained_s, "probe": probe, "request_timeout_s": request_timeout(workdir)}
+
+
+def build_report(soak: Soak, args, workdir: Path, one_by_one: dict, faults: list, abandoned: dict,
+                 total: int | None, end: dict) -> dict:
+    lat = sorted(soak.latency)
+    by_life = [[s for s in soak.samples if s["life"] == i] for i in range(soak.life + 1)]
+    memory = [memory_verdict([s for s in life if s["phase"] != "drain"], args.warmup, args.rss_slope_max,
+                             args.rss_spike_max, args.memory_min_life) for life in by_life]
+    return {
+        "duration_s": args.duration, "workdir": str(workdir) if args.workdir else "tiny models (temp)",
+        "users": {"chat": args.chat_users, "batch": args.batch_users},
+        "requests_total": sum(soak.kinds.values()),
+        "requests_served": sum(v for k, v in soak.kinds.items() if k in ("good_served", "hostile_200")),
+        "by_kind": dict(sorted(soak.kinds.items())),
+        "good_failed": soak.kinds.get("good_failed", 0),
+        "good_wrong_text": len(soak.wrong_text),
+        "failed_examples": soak.failed_good[:10], "wrong_text_examples": soak.wrong_text[:5],
+        "abandoned_log": soak.abandoned_log,
+        "latency_s": {"p50": round(statistics.median(lat), 3) if lat else None,
+                      "p99": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+                      "max": round(lat[-1], 3) if lat else None},
+        "hostile_one_by_one": one_by_one,
+        "hostile_by_case": {c: dict(sorted(v.items())) for c, v in sorted(soak.hostile.items())},
+        "hostile_by_status": dict(sorted(sum(soak.hostile.values(), Counter()).items())),
+        "hostile_examples": dict(sorted(soak.hostile_examples.items())),
+        "faults": faults, "after_pause": soak.after_pause, "abandoned": abandoned,
+        "slots_total": total, "memory": memory, "end": end, "samples": soak.samples,
+    }
+
+
+def write_report(report: dict, args) -> int:
+    """The JSON report and its plot; the summary and the gate's verdict on stdout; the exit status."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png = plot(report, args.out.with_suffix(".png"))
+    report["plot"] = png
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    summary = {k: report[k] for k in ("requests_total", "by_kind", "good_failed", "good_wrong_text", "latency_s",
+                                      "hostile_by_status", "faults", "after_pause", "abandoned", "end")}
+    summary["memory"] = [{k: v.get(k) for k in ("verdict", "rss_mb", "rss_slope_mb_per_min_second_half", "threads")}
+                         for v in report["memory"]]
+    summary["hostile_one_by_one_statuses"] = dict(Counter(
+        label for row in report["hostile_one_by_one"].values() for label in row.values()))
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {args.out}" + (f" and {png}" if png else "") + f" ({report['wall_s']:.0f} s)")
+    if report["gate"]["passed"]:
+        print("soak gate: PASS")
+        return 0
+    print("soak gate: FAIL\n  - " + "\n  - ".join(report["gate"]["reasons"]))
+    return 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
     from servers import serve_options  # noqa: E402 - free ports
 
@@ -778,68 +903,19 @@ def main(argv=None) -> int:
     opts = serve_options()
     info = [serve.start(workdir, opts)]
     soak = Soak(args, info, workdir)
-    faults: list[dict] = []
     stop_sampling = threading.Event()
     try:
         soak.compute_reference()
         print("hostile cases one by one ...", flush=True)
         one_by_one = soak.hostile_one_by_one()
         total = slots_total(workdir)
-        soak.t_start = time.monotonic()
-        soak.life_t0 = soak.t_start
+        soak.t_start = soak.life_t0 = time.monotonic()
         soak.stub = engine_stub(info[0].pid)
-        sampler = threading.Thread(target=soak.sampler, args=(stop_sampling,), daemon=True)
-        sampler.start()
+        threading.Thread(target=soak.sampler, args=(stop_sampling,), daemon=True).start()
         soak.sample()
-        burst = threading.Thread(target=soak.warmup_burst, args=(total,), daemon=True)
-        burst.start()
-        deadline = soak.t_start + args.duration
-        users = [threading.Thread(target=soak.user, args=(i, i < args.chat_users, deadline), daemon=True)
-                 for i in range(args.chat_users + args.batch_users)]
-        for u in users:
-            u.start()
-        events = []
-        if args.pause_at > 0:
-            events.append((args.pause_at * args.duration, "pause"))
-        if not args.no_restart:
-            events.append((args.duration / 2, "kill"))
-        for at, kind in sorted(events):
-            time.sleep(max(0.0, at - soak.now()))
-            if kind == "pause":
-                print(f"{soak.now():.0f}s: pausing the server (SIGSTOP) for {args.pause_s:g}s", flush=True)
-                ev = pause_server(soak, args.pause_s)
-                print(f"{soak.now():.0f}s: resumed (SIGCONT); {ev['inflight_at_pause']} requests were in flight",
-                      flush=True)
-                faults.append({"kind": "pause", **ev})
-                continue
-            print(f"{soak.now():.0f}s: killing the server", flush=True)
-            soak.down.set()
-            soak.phase = "restart"
-            t_kill = time.monotonic()
-            at_s = soak.now()
-            kill_server(info[0])
-            time.sleep(1.0)                             # requests in flight see the connection drop
-            serve.stop(workdir, timeout=20)             # reap and clear the recorded state
-            info[0] = serve.start(workdir, opts)
-            restart_s = round(time.monotonic() - t_kill, 1)
-            soak.new_life()
-            soak.phase = "load"
-            soak.down.clear()
-            threading.Thread(target=soak.warmup_burst, args=(total,), daemon=True).start()
-            faults.append({"kind": "kill", "at_s": round(at_s, 1), "restart_s": restart_s})
-            print(f"restarted in {restart_s}s", flush=True)
-        for u in users:
-            u.join(max(1.0, deadline - time.monotonic() + args.request_timeout))
-        soak.phase = "drain"
-        end_of_load = soak.sample()
-        t_drain = time.monotonic()
-        end = metrics(info[0].metrics_url)
-        while time.monotonic() - t_drain < args.drain_timeout:
-            end = metrics(info[0].metrics_url)
-            if end.get("live") == 0 and (total is None or end.get("slots_free") == total):
-                break
-            time.sleep(1.0)
-        drained_s = round(time.monotonic() - t_drain, 1)
+        threading.Thread(target=soak.warmup_burst, args=(total,), daemon=True).start()
+        faults = load(soak, args, info, workdir, opts, total)
+        end_of_load, end, drained_s = drain(soak, args, info, total)
         stop_sampling.set()
         soak.sample()
         probe = None
@@ -848,46 +924,8 @@ def main(argv=None) -> int:
                   f"up after {args.abandon_timeout:g}s ...", flush=True)
             probe = soak.abandoned_probe(total)
             end = metrics(info[0].metrics_url)
-        lat = sorted(soak.latency)
-        by_life = [[s for s in soak.samples if s["life"] == i] for i in range(soak.life + 1)]
-        memory = [memory_verdict([s for s in life if s["phase"] != "drain"], args.warmup, args.rss_slope_max,
-                                 args.rss_spike_max, args.memory_min_life) for life in by_life]
-        load_samples = [s for s in soak.samples if s["phase"] in ("load", "paused") and s["live"] is not None]
-        report = {
-            "duration_s": args.duration, "workdir": str(workdir) if args.workdir else "tiny models (temp)",
-            "users": {"chat": args.chat_users, "batch": args.batch_users},
-            "requests_total": sum(soak.kinds.values()),
-            "requests_served": sum(v for k, v in soak.kinds.items() if k in ("good_served", "hostile_200")),
-            "by_kind": dict(sorted(soak.kinds.items())),
-            "good_failed": soak.kinds.get("good_failed", 0),
-            "good_wrong_text": len(soak.wrong_text),
-            "failed_examples": soak.failed_good[:10], "wrong_text_examples": soak.wrong_text[:5],
-            "abandoned_log": soak.abandoned_log,
-            "latency_s": {"p50": round(statistics.median(lat), 3) if lat else None,
-                          "p99": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
-                          "max": round(lat[-1], 3) if lat else None},
-            "hostile_one_by_one": one_by_one,
-            "hostile_by_case": {c: dict(sorted(v.items())) for c, v in sorted(soak.hostile.items())},
-            "hostile_by_status": dict(sorted(sum(soak.hostile.values(), Counter()).items())),
-            "hostile_examples": dict(sorted(soak.hostile_examples.items())),
-            "faults": faults, "after_pause": soak.after_pause,
-            "abandoned": {
-                "generate_given_up": soak.kinds.get("abandoned_generate", 0),
-                "streams_dropped": soak.kinds.get("disconnected_stream", 0),
-                "abandoned_live_max": max((s["abandoned_live"] for s in load_samples), default=None),
-                "abandoned_live_mean": round(statistics.mean(s["abandoned_live"] for s in load_samples), 2)
-                if load_samples else None,
-                "samples_with_no_free_slot": sum(1 for s in load_samples if s["slots_free"] == 0),
-                "samples": len(load_samples),
-                "end_of_load": {k: end_of_load[k] for k in ("live", "slots_free", "running", "waiting",
-                                                             "client_inflight", "abandoned_live")},
-                "drained_after_s": drained_s, "probe": probe,
-                "request_timeout_s": request_timeout(workdir)},
-            "slots_total": total,
-            "memory": memory,
-            "end": end,
-            "samples": soak.samples,
-        }
+        abandoned = abandoned_summary(soak, end_of_load, drained_s, probe, workdir)
+        report = build_report(soak, args, workdir, one_by_one, faults, abandoned, total, end)
     finally:
         stop_sampling.set()
         serve.stop(workdir, timeout=30)
@@ -895,23 +933,7 @@ def main(argv=None) -> int:
             tmp.cleanup()
     report["gate"] = gate(report, args)
     report["wall_s"] = round(time.monotonic() - t_wall, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    png = plot(report, args.out.with_suffix(".png"))
-    report["plot"] = png
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    summary = {k: report[k] for k in ("requests_total", "by_kind", "good_failed", "good_wrong_text", "latency_s",
-                                      "hostile_by_status", "faults", "after_pause", "abandoned", "end")}
-    summary["memory"] = [{k: v.get(k) for k in ("verdict", "rss_mb", "rss_slope_mb_per_min_second_half", "threads")}
-                         for v in memory]
-    summary["hostile_one_by_one_statuses"] = dict(Counter(
-        label for row in report["hostile_one_by_one"].values() for label in row.values()))
-    print(json.dumps(summary, indent=1))
-    print(f"wrote {args.out}" + (f" and {png}" if png else "") + f" ({report['wall_s']:.0f} s)")
-    if report["gate"]["passed"]:
-        print("soak gate: PASS")
-        return 0
-    print("soak gate: FAIL\n  - " + "\n  - ".join(report["gate"]["reasons"]))
-    return 1
+    return write_report(report, args)
 
 
 if __name__ == "__main__":
