@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from specbuild.loadtests import export
+from specbuild.loadtests import export, stalls
 from specbuild.loadtests.runner import CellResult
 
 PERCENTILES = (50, 90, 95, 99)
@@ -102,6 +102,7 @@ def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, me
                           "avg_ms": _num(row["Average Response Time"])}
                    for kind, row in cell.locust_stats.items()},
     }
+    out["silence"] = stalls.silences(cell.samples)
     if cross_check:
         out["cross_check"] = cross_check
     config = {"profile": cell.profile, "setting": cell.setting, "streaming": stream, "concurrency": users,
@@ -218,14 +219,20 @@ def _quality(report: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     lines += ["", "## Measurement quality", "",
               "| profile | setting | load | harness overhead p50 ms | zero-work probe p50 ms | Locust CSV E2E median | "
-              "cross-check TTFT / e2e (independent / Locust) |", "|" + "---|" * 7]
+              "cross-check TTFT / e2e (independent / Locust) | longest silence s (stalls) |", "|" + "---|" * 8]
     for c in report["cells"]:
         cc = c.get("cross_check") or {}
+        quiet = c.get("silence") or {}
         lines.append(f"| {c['profile']} | {c['setting']} | {_load(c)} | "
                      f"{_f(_p(c['harness']['overhead_ms'], 'p50'), '{:.3f}')} | "
                      f"{_f(_p(c['harness']['zero_work_probe_ms'], 'p50'), '{:.2f}')} | "
                      f"{_f(c['locust'].get('E2E', {}).get('median_ms'))} | "
-                     f"{_f(cc.get('ttft_ratio'), '{:.3f}')} / {_f(cc.get('e2e_ratio'), '{:.3f}')} |")
+                     f"{_f(cc.get('ttft_ratio'), '{:.3f}')} / {_f(cc.get('e2e_ratio'), '{:.3f}')} | "
+                     f"{_f(quiet.get('longest_s'), '{:.2f}')} ({len(quiet.get('stalls') or [])}) |")
+    stalled = [line for line in map(stalls.describe, report["cells"]) if line]
+    if stalled:
+        lines += ["", "Stalls (requests in flight, nothing from the server; `loadtests/stalls.py`):", ""]
+        lines += [f"- {line}" for line in stalled]
     return lines
 
 

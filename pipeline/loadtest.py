@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from specbuild.loadtests import stalls
 from specbuild.loadtests.profiles import load_profiles
 from specbuild.loadtests.report import overall_status  # noqa: F401  (public API)
 from specbuild.loadtests.session import (OPTIONAL_INPUTS, Session, default_metrics_url,  # noqa: F401 (API)
                                         deployment_max_seq_len, input_budget, open_session, resolve_tokenizer,
-                                        _payload, smoke)
+                                        served_names, _payload, smoke)
 from specbuild.loadtests.settings import parse_compare, parse_settings  # noqa: F401  (public API)
 from specbuild.loadtests.sweep import ENDPOINT_FIELDS, Run, first_at, plan, sweep_summary
 from specbuild.pipeline import wire
@@ -183,6 +184,9 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
         summary["started_with_in_flight"] = left
     summary["run_dir"] = str(run_dir)
     _write_run_files(run_dir, summary, cell.samples, profile.stream)
+    stalled = stalls.describe(summary)
+    if stalled:
+        say(stalled)
     if summary["status"] != "ok":
         stop = cell.stop or {}
         say(f"{profile.name} / {setting}: {summary['status']} ({summary['requests']} completed, "
@@ -315,7 +319,8 @@ def _prepare(cfg: LoadtestConfig, say) -> tuple[list[Run], dict, dict[str, Any]]
         if sessions[endpoint] is not session and cfg.api == wire.KSERVE:
             from specbuild.loadtests import target
 
-            target.check_inputs(sessions[endpoint].info, ["text_input", "max_tokens", *setting_fields])
+            target.check_inputs(sessions[endpoint].info,
+                                served_names(session.target, ["text_input", "max_tokens", *setting_fields]))
     for profile in profiles:
         session.prompts(profile)
     for r in runs:   # once per profile x setting: a sweep point changes the load, not the request

@@ -370,6 +370,44 @@ def test_ctrl_c_still_writes_what_was_measured(embedded, tmp_path):
     assert not list(out.parent.glob(".tmp-report-*"))
 
 
+def test_a_paused_server_is_reported_as_a_stall_and_the_run_recovers(embedded, tmp_path):
+    """SIGSTOP the server mid-run, SIGCONT it: nothing fails, and the report names the silence (its length at
+    least the pause, when it happened) instead of hiding it in the latency percentiles."""
+    import os
+
+    out = tmp_path / "report"
+    pause_s = 8.0
+    argv = [sys.executable, "-m", "specbuild.cli.main", "loadtest",
+            *_embedded_args(embedded, out, "--profile", "chat", "--users", "2", "--duration", "24",
+                            "--max-tokens", "8")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+                p.stat().st_size > 0 for p in out.parent.glob(".tmp-report-*/runs/chat/default/samples/*.jsonl")):
+            time.sleep(0.2)
+        time.sleep(2.0)
+        os.killpg(embedded.info.pid, signal.SIGSTOP)
+        try:
+            time.sleep(pause_s)
+        finally:
+            os.killpg(embedded.info.pid, signal.SIGCONT)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    cell = json.loads((out / "report.json").read_text())["cells"][0]
+    assert cell["status"] == "ok" and cell["failures"] == 0 and cell["requests"] > 0
+    quiet = cell["silence"]
+    assert quiet["longest_s"] >= pause_s - 1.0, quiet
+    assert quiet["stalls"] and max(s["s"] for s in quiet["stalls"]) == quiet["longest_s"]
+    assert "the server sent nothing for" in output
+    assert "Stalls (requests in flight" in (out / "report.md").read_text()
+
+
 def test_measurement_cross_check_against_known_timing(calibrated, tiny_tokenizer, tmp_path):
     """Locust and the independent asyncio+httpx client, side by side on the same request, both measure it,
     and neither reads less than the server's fixed work (20 ms per step: TTFT >= one step, e2e >= ten).

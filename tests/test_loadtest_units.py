@@ -445,3 +445,22 @@ def test_a_run_that_completed_nothing_by_its_ceiling_is_too_slow_not_failed(tmp_
     summary = rep.summarize_cell(cell, stream=False, users=32)
     assert summary["status"] == "too slow to measure here"
     assert rep.overall_status([summary], interrupted=False) == "too slow to measure here"
+
+
+def test_silences_find_the_gap_with_requests_waiting_and_ignore_idle_time():
+    from specbuild.loadtests.stalls import silences
+
+    def req(start, ttft, itl, e2e):
+        return {"start": start, "ttft_ms": ttft, "itl_ms": itl, "e2e_ms": e2e}
+
+    steady = [req(t * 0.1, 20.0, [10.0] * 5, 80.0) for t in range(40)]          # 4 s of 10-20 ms gaps
+    assert silences(steady)["stalls"] == [] and silences(steady)["longest_s"] < 0.1
+    # one request waits through a 6 s silence starting at t = 4.0 (its first piece comes at 10.0)
+    paused = steady + [req(4.0, 6000.0, [10.0], 6020.0)] + [req(10.0 + t * 0.1, 20.0, [10.0], 40.0) for t in range(5)]
+    out = silences(paused)
+    assert len(out["stalls"]) == 1 and 5.8 < out["stalls"][0]["s"] < 6.1 and out["stalls"][0]["waiting"] == 1
+    assert out["longest_s"] == out["stalls"][0]["s"] and 3.9 < out["longest_at_s"] < 4.1
+    # the same 6 s with nobody waiting (closed-loop think time) is no stall
+    idle = steady + [req(10.0 + t * 0.1, 20.0, [10.0], 40.0) for t in range(5)]
+    assert silences(idle)["stalls"] == []
+    assert silences([])["longest_s"] is None and silences(steady[:1])["stalls"] == []
