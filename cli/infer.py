@@ -14,8 +14,9 @@ from specbuild.pipeline.client import DEFAULT_GRPC, DEFAULT_HTTP
 
 @click.command("infer")
 @click.option("--prompt", required=True, help="The prompt text.")
-@click.option("--stream/--no-stream", default=True, show_default=True,
-              help="Print pieces as they arrive (generate_stream / gRPC stream) or wait for one response.")
+@click.option("--stream/--no-stream", default=None,
+              help="Print pieces as they arrive (generate_stream / gRPC stream) or wait for one response. Default: "
+                   "stream, except on a TensorRT-LLM llmapi deployment (non-decoupled, as upstream deploys it).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Tokens to generate at most.")
 @click.option("--min-tokens", type=click.IntRange(min=0), default=None,
@@ -67,6 +68,12 @@ def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, prop
     where = endpoints(workdir, url, grpc_url)
     tok_dir = resolve_tokenizer(tokenizer, Path(workdir)) if chat or deployment_target(workdir) != "embedded" else None
     client = client_for(workdir, where.http, where.grpc, model=model, timeout=timeout, tokenizer_dir=tok_dir)
+    if client.target == contract.LLMAPI_TARGET:
+        if stream:
+            raise click.UsageError("this TensorRT-LLM llmapi deployment is non-decoupled (model.yaml's "
+                                   "triton_config, upstream's default), so it cannot stream: use --no-stream.")
+        stream = False
+    stream = True if stream is None else stream
     params = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                   seed=seed, num_draft_tokens=num_draft_tokens, return_perf_metrics=True, proposer=proposer)
     if chat:
@@ -90,6 +97,6 @@ def infer_command(prompt, stream, max_tokens, min_tokens, num_draft_tokens, prop
     drafted, accepted = gen.total_draft_tokens, gen.total_accepted_draft_tokens
     rate = f"{gen.acceptance_rate:.1%}" if gen.acceptance_rate is not None and drafted else "n/a (no drafts)"
     ttft = f"{gen.ttft * 1000:.0f} ms" if gen.ttft is not None else "n/a"
-    click.echo(f"-- {model} via {protocol}: {len(gen.chunks)} pieces in {gen.seconds:.2f}s, TTFT {ttft}; "
+    click.echo(f"-- {client.model} via {protocol}: {len(gen.chunks)} pieces in {gen.seconds:.2f}s, TTFT {ttft}; "
                f"drafted {drafted if drafted is not None else 'n/a'}, accepted "
                f"{accepted if accepted is not None else 'n/a'}, acceptance rate {rate}", err=True)

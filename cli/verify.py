@@ -33,6 +33,10 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
 @workdir_option
 @click.option("--url", default=None,
               help="HTTP endpoint. Default: the server started by `specbuild serve` in --workdir.")
+@click.option("--reference-url", default=None,
+              help="HTTP endpoint of the same target served without speculation: the K = 0 side goes there and no "
+                   "request carries num_draft_tokens (for deployments whose speculation is fixed when deployed: "
+                   "TensorRT-LLM's llmapi path). Default: K = 0 on --url.")
 @click.option("--model", default=contract.SPECULATIVE_MODEL, show_default=True,
               help="Client-facing model that takes num_draft_tokens.")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt to check (repeatable). Default: a built-in set.")
@@ -57,7 +61,7 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
               help="Send each prompt as a user turn in the target's chat template (instruct models), or raw.")
 @click.option("--out", type=click.Path(resolve_path=True, dir_okay=False), default=None,
               help="Where to write the JSON report. Default: <workdir>/verify/report.json.")
-def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens, max_tokens, seeds, positions,
+def verify_command(workdir, url, reference_url, model, prompts, prompts_file, num_draft_tokens, max_tokens, seeds, positions,
                    temperature, alpha, concurrency, tokenizer, chat, out):
     """Check that speculation changes nothing: greedy outputs token-identical with K and without, and the
     sampled distribution of the first positions unchanged. Exits 1 on any drift.
@@ -67,6 +71,7 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
       specbuild verify                               # the server of ./specbuild-work
       specbuild verify --url http://gpu-box:8000 --tokenizer ./llama-3.1-8b -k 4 --seeds 400
       specbuild verify --prompt "def fib(n):" --seeds 0
+      specbuild verify --reference-url http://127.0.0.1:8010 --seeds 0   # llmapi: off is another server
     """
     from specbuild.pipeline.verify import DEFAULT_PROMPTS, load_prompts, verify
 
@@ -77,13 +82,8 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
     from specbuild.pipeline.client import client_for
     from specbuild.pipeline.loadtest import resolve_tokenizer
 
-    client = client_for(workdir, endpoint, model=model, tokenizer_dir=resolve_tokenizer(tokenizer, workdir))
-
-    def generate(prompt, *, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed):
-        return client.generate(tok.chat(prompt) if chat else prompt, max_tokens=max_tokens,
-                               num_draft_tokens=num_draft_tokens,
-                               temperature=temperature, top_k=top_k or None, top_p=top_p if top_p < 1 else None,
-                               seed=seed).text
+    generate = _generate_fn(workdir, endpoint, reference_url, model, resolve_tokenizer(tokenizer, workdir),
+                            tok.chat if chat else (lambda p: p))
 
     report = verify(generate, tok.ids, prompts=chosen or list(DEFAULT_PROMPTS), num_draft_tokens=num_draft_tokens,
                     max_tokens=max_tokens, sampling_seeds=seeds, positions=positions, temperature=temperature,
@@ -94,6 +94,31 @@ def verify_command(workdir, url, model, prompts, prompts_file, num_draft_tokens,
         raise click.ClickException("speculation changed the output; see the report above "
                                    f"({out or workdir / 'verify' / 'report.json'}).")
     click.echo("verify: OK — speculation is lossless on these prompts.")
+
+
+def _generate_fn(workdir: Path, endpoint: str, reference_url: str | None, model: str, tokenizer_dir, template):
+    """generate(prompt, num_draft_tokens=K, ...) -> text: K > 0 on `endpoint`, K = 0 there too, or on
+    `reference_url` (then num_draft_tokens is never sent: both servers run their deployed policy; the reference
+    is taken to be the same kind of deployment, with the same client model)."""
+    from specbuild.pipeline.client import Client, client_for
+    from specbuild.pipeline import contract as c
+
+    client = client_for(workdir, endpoint, model=model, tokenizer_dir=tokenizer_dir)
+    if reference_url is None and client.target == c.LLMAPI_TARGET:
+        raise UsageError("this deployment is TensorRT-LLM's llmapi path: its speculation is fixed by model.yaml's "
+                         "speculative_config, so K = 0 cannot be asked per request. Serve the target a second time "
+                         "without speculative_config and pass it as --reference-url.")
+    reference = None if reference_url is None else \
+        Client(url=reference_url, model=client.model, target=client.target, echo=client.echo)
+
+    def generate(prompt, *, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed):
+        params = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k or None,
+                      top_p=top_p if top_p < 1 else None, seed=seed)
+        if reference is None:
+            return client.generate(template(prompt), num_draft_tokens=num_draft_tokens, **params).text
+        return (client if num_draft_tokens else reference).generate(template(prompt), **params).text
+
+    return generate
 
 
 def _progress_bars(seeds: int):

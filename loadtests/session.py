@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from specbuild.pipeline import wire
+from specbuild.pipeline import contract, wire
 from specbuild.pipeline.client import deployment_target
 from specbuild.pipeline.errors import UsageError
 
@@ -37,12 +37,30 @@ def resolve_tokenizer(explicit: str | None, workdir: Path) -> Path:
         if engine_dir:
             candidates.append(Path(engine_dir) / "tokenizer")
     candidates += [workdir / "engines" / "tokenizer", workdir / "checkpoints" / "target"]
+    candidates += _converted_targets(workdir / "checkpoints" / "manifest.json")
     for c in candidates:
         tried.append(str(c))
         if (c / "tokenizer.json").is_file():
             return c
     raise UsageError(f"cannot find the target's tokenizer (tried {tried}); pass --tokenizer DIR (the target "
                      "model directory holding tokenizer.json) or the --workdir of the deployment.")
+
+
+def _converted_targets(manifest: Path) -> list[Path]:
+    """Where convert kept or found the target: the Hugging Face copy a TensorRT-LLM rehearsal keeps
+    (checkpoints/hf/target), then the target's own directory (the llmapi path serves it as given)."""
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    kept = ((data.get("outputs") or {}).get("hf_checkpoints") or {}).get("target")
+    if isinstance(kept, str):
+        out.append(manifest.parent / kept)
+    source = ((data.get("inputs") or {}).get("target") or {}).get("path")
+    if isinstance(source, str):
+        out.append(Path(source))
+    return out
 
 
 def deployment_max_seq_len(workdir: Path) -> int | None:
@@ -147,7 +165,9 @@ class Session:
             return body
         from specbuild.pipeline.client import RequestError, adapt_request
 
-        full = {**_payload(profile, {}, []), **fields}       # seed/min_tokens exist under other names there
+        # seed/min_tokens exist under other names on the engine path; the llmapi path's dropped list is in
+        # contract names already (served_names)
+        full = {**_payload(profile, {}, self.dropped if self.target == contract.LLMAPI_TARGET else []), **fields}
         try:
             adapted, echoed = adapt_request(self.target, self.model, {"text_input": "", **full})
         except RequestError as e:
@@ -210,22 +230,33 @@ def open_session(*, url: str, model: str | None, tokenizer: str | None, workdir:
 
     counter = TokenCounter(resolve_tokenizer(tokenizer, Path(workdir)))
     grpc_url = grpc_url or _with_port(url, 8001)
+    deployed = deployment_target(Path(workdir))
+    if api == wire.KSERVE and deployed == contract.LLMAPI_TARGET:
+        model = contract.LLMAPI_MODEL          # the llmapi path has one client model
     metrics_url = default_metrics_url(url, api) if metrics_url is None else metrics_url
     if api != wire.KSERVE:
         info = target.preflight_openai(url, model)
         dropped: list[str] = []
     else:
         info = target.preflight(url, model)
-        target.check_inputs(info, ["text_input", "max_tokens", *inputs])
+        target.check_inputs(info, served_names(deployed, ["text_input", "max_tokens", *inputs]))
         if protocol == "grpc":
             target.check_grpc(grpc_url, model)
-        dropped = sorted(n for n in OPTIONAL_INPUTS if n not in info.inputs)
+        dropped = sorted(n for n in OPTIONAL_INPUTS if served_names(deployed, [n])[0] not in info.inputs)
     return Session(url=url, grpc_url=grpc_url, metrics_url=metrics_url, model=info.name, protocol=protocol,
                    counter=counter, info=info, dropped=dropped,
                    gates=gates or Gates(), workers=workers,
                    max_seq_len=deployment_max_seq_len(Path(workdir)) if api == wire.KSERVE else None,
                    stop_timeout=stop_timeout, seed=seed, progress_bar=progress_bar,
-                   target=deployment_target(Path(workdir)), api=api, records=records, lengths=lengths)
+                   target=deployed, api=api, records=records, lengths=lengths)
+
+
+def served_names(deployed: str, names: list[str]) -> list[str]:
+    """Contract input names as the deployment declares them (the llmapi model's sampling_param_*; the engine
+    path's renames are checked per request by `client.adapt_request`)."""
+    if deployed != contract.LLMAPI_TARGET:
+        return list(names)
+    return [contract.LLMAPI_NAMES.get(n, n) for n in names]
 
 
 def smoke(session: Session, profile, fields: dict[str, Any]) -> None:

@@ -35,8 +35,9 @@ EMBEDDED = "embedded"
 
 
 def deployment_target(workdir) -> str:
-    """What the deployment in `workdir` serves: "trtllm-<family>" (the tensorrtllm_backend release family of its
-    templates, e.g. "trtllm-0.18"), read from the deploy manifest; else "embedded" (the contract as is)."""
+    """What the deployment in `workdir` serves, read from the deploy manifest: "trtllm-<family>" (the release
+    family of its engine-path templates, e.g. "trtllm-0.18"), "trtllm-llmapi" (Triton's LLM-API model of
+    TensorRT-LLM 1.0-1.2.x), else "embedded" (the contract as is)."""
     from pathlib import Path
 
     path = Path(workdir) / "model_repository" / "manifest.json"
@@ -46,9 +47,12 @@ def deployment_target(workdir) -> str:
         return EMBEDDED
     if data.get("options", {}).get("backend") != "trtllm":
         return EMBEDDED
-    family = ((data.get("extra") or {}).get("recipe") or {}).get("backend_family")
-    # Without a version-table family (the LLM-API path) there is no release table to adapt to: the contract
-    # is sent as is, rather than guessing a release.
+    recipe = (data.get("extra") or {}).get("recipe") or {}
+    if recipe.get("generation") == "llmapi":
+        return contract.LLMAPI_TARGET           # Triton's llmapi model: its own sampling_param_* names
+    family = recipe.get("backend_family")
+    # A deployment from before the version table recorded no family: the contract is sent as is, rather than
+    # guessing a release.
     return f"trtllm-{family}" if family else EMBEDDED
 
 
@@ -79,6 +83,8 @@ def adapt_request(target: str, model: str, body: dict[str, Any]) -> tuple[dict[s
     goes with stream=false and exclude_input_in_output=false (upstream's loop needs both), so text_output
     echoes the prompt and `prompt_echoed` is True. Streaming with speculation is refused with the reason.
     """
+    if target == contract.LLMAPI_TARGET:
+        return _llmapi_body(body), False
     family = contract.trtllm_family(target)
     if family is None:
         return body, False
@@ -106,6 +112,23 @@ def adapt_request(target: str, model: str, body: dict[str, Any]) -> tuple[dict[s
     if problems:
         raise RequestError("; ".join(problems))
     return out, echoed
+
+
+def _llmapi_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The contract request in the llmapi model's names (`contract.llmapi_request`). Its speculation is fixed by
+    model.yaml's speculative_config, so a request's num_draft_tokens is refused with the reason (0 included: it
+    would not switch speculation off)."""
+    try:
+        return contract.llmapi_request(body)
+    except ValueError as e:
+        raise RequestError(f"{e}. To compare speculation on and off, serve the target a second time without "
+                           "speculative_config and give that server to `verify --reference-url` (or as a "
+                           "load-test setting's url=).") from None
+
+
+def client_model(target: str, model: str) -> str:
+    """The Triton model a client talks to: the llmapi path has one (`tensorrt_llm`) for every contract model."""
+    return contract.LLMAPI_MODEL if target == contract.LLMAPI_TARGET else model
 
 
 @dataclass
@@ -152,10 +175,12 @@ def request_body(prompt: str, *, max_tokens: int = 64, stream: bool = False, tem
 class Client:
     def __init__(self, url: str = DEFAULT_HTTP, grpc_url: str = DEFAULT_GRPC, model: str = contract.ENSEMBLE_MODEL,
                  timeout: float = 300.0, *, target: str = EMBEDDED, echo: Callable[[str], str] | None = None):
-        """`target`: "embedded" or "trtllm-<family>" (`deployment_target`); requests are adapted to it.
+        """`target`: "embedded", "trtllm-<family>" or "trtllm-llmapi" (`deployment_target`); requests are
+        adapted to it (and, on the llmapi path, sent to its one model, `tensorrt_llm`).
         `echo(prompt)`: the text a TensorRT-LLM BLS echoes in front of the completion (its postprocessing
         decodes prompt + output ids); default: the prompt itself."""
-        self.url, self.grpc_url, self.model, self.timeout = url.rstrip("/"), grpc_url, model, timeout
+        self.url, self.grpc_url, self.timeout = url.rstrip("/"), grpc_url, timeout
+        self.model = client_model(target, model)
         self.target, self.echo = target, echo or (lambda prompt: prompt)
 
     def _body(self, prompt: str, **params: Any) -> tuple[dict[str, Any], bool]:
@@ -229,8 +254,16 @@ class Client:
                     stream: bool = True, cancel_after: int | None = None, **params: Any) -> Generation:
         """One request over gRPC streaming. `cancel_after=n` cancels it after n pieces (tests, Ctrl-C)."""
         import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
 
         body, echoed = self._body(prompt, stream=stream, **params)
+        try:
+            return self._grpc_stream(grpcclient, body, echoed, prompt, on_chunk, cancel_after)
+        except InferenceServerException as e:     # refused before any response (e.g. a tensor it does not take)
+            raise RequestError(f"{self.model}: {e.message() if hasattr(e, 'message') else e}") from None
+
+    def _grpc_stream(self, grpcclient, body: dict[str, Any], echoed: bool, prompt: str,
+                     on_chunk: Callable[[str], None] | None, cancel_after: int | None) -> Generation:
         results: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(self.grpc_url)
         gen = Generation()
@@ -275,7 +308,9 @@ class Client:
 def grpc_inputs(body: dict[str, Any], *, target: str = EMBEDDED, model: str | None = None) -> list:
     """tritonclient.grpc InferInputs with the datatypes the deployment declares and a batch dimension of 1
     (`specbuild.pipeline.wire`)."""
-    return wire.grpc_inputs(body, wire.datatypes(body, target=target, model=model))
+    # The llmapi model declares max_batch_size 0 (model.yaml's triton_config): its tensors have no batch dimension.
+    return wire.grpc_inputs(body, wire.datatypes(body, target=target, model=model),
+                            batch_dim=target != contract.LLMAPI_TARGET)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -154,7 +154,9 @@ TRTLLM_RENAMES = {"seed": "random_seed", "min_tokens": "min_length"}
 
 
 def trtllm_family(target: str) -> str | None:
-    """'trtllm-0.18' -> '0.18'; anything else (e.g. 'embedded') -> None."""
+    """'trtllm-0.18' -> '0.18'; anything else ('embedded', the llmapi path's 'trtllm-llmapi') -> None."""
+    if target == LLMAPI_TARGET:
+        return None
     return target.removeprefix("trtllm-") if target.startswith("trtllm-") else None
 
 
@@ -217,6 +219,7 @@ def request_problems(target: str, model: str, request: dict[str, Any]) -> list[s
 # The contract's names as the LLM-API path's Triton model (`tensorrt_llm`, llmapi) takes them
 # (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @c8c6df08; engines/trtllm/llmapi.py).
 LLMAPI_MODEL = "tensorrt_llm"
+LLMAPI_TARGET = "trtllm-llmapi"        # client.deployment_target of an llmapi deployment (no version-table family)
 LLMAPI_NAMES = {"text_input": "text_input", "stream": "streaming", "max_tokens": "sampling_param_max_tokens",
                 "temperature": "sampling_param_temperature", "top_k": "sampling_param_top_k",
                 "top_p": "sampling_param_top_p", "seed": "sampling_param_seed", "stop_words": "sampling_param_stop",

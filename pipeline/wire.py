@@ -107,12 +107,17 @@ def encode(api: str, prompt: str, fields: dict[str, Any], *, model: str | None, 
 def _declared_datatypes(target: str, model: str | None) -> dict[str, str]:
     """name -> KServe datatype the deployment's model declares (a TensorRT-LLM release's config), or {}."""
     family = contract.trtllm_family(target)
-    if family is None or model is None:
-        return {}
     try:
-        from specbuild.engines.trtllm.upstream_facts import model_facts
+        from specbuild.engines.trtllm import upstream_facts
 
-        declared = model_facts(family, model)["inputs"]
+        if target == contract.LLMAPI_TARGET:        # the llmapi model's config.pbtxt as specbuild deploys it
+            from specbuild.engines.trtllm.repository import template
+
+            declared = upstream_facts.extract_model(template("llmapi/tensorrt_llm/config.pbtxt"))["inputs"]
+        elif family is None or model is None:
+            return {}
+        else:
+            declared = upstream_facts.model_facts(family, model)["inputs"]
     except (KeyError, ImportError, OSError, ValueError):
         return {}
     return {t["name"]: _kserve_type(t["data_type"]) for t in declared if str(t["data_type"]).startswith("TYPE_")}

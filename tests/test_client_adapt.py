@@ -47,8 +47,36 @@ def test_deployment_target_from_the_deploy_manifest(tmp_path):
     assert deployment_target(tmp_path) == "embedded"
     m.write_text(json.dumps({"options": {"backend": "trtllm"}, "extra": {"recipe": {"backend_family": "0.19"}}}))
     assert deployment_target(tmp_path) == "trtllm-0.19"
-    m.write_text(json.dumps({"options": {"backend": "trtllm"}, "extra": {"recipe": {"generation": "llmapi"}}}))
-    assert deployment_target(tmp_path) == "embedded"        # no release table: the contract as is, no guess
+    m.write_text(json.dumps({"options": {"backend": "trtllm"}, "extra": {"recipe": {"trtllm_version": "0.17.0"}}}))
+    assert deployment_target(tmp_path) == "embedded"        # no release table recorded: the contract as is, no guess
+    m.write_text(json.dumps({"options": {"backend": "trtllm"},
+                             "extra": {"recipe": {"generation": "llmapi", "backend_family": "1.2"}}}))
+    assert deployment_target(tmp_path) == "trtllm-llmapi"   # Triton's llmapi model, whatever the release
+
+
+def test_llmapi_clients_speak_its_one_model_and_its_tensors():
+    """infer / verify / loadtest on an llmapi deployment: model tensorrt_llm, sampling_param_* names with the
+    datatypes its config.pbtxt declares, no batch dimension (max_batch_size 0), num_draft_tokens refused."""
+    from specbuild.loadtests.session import served_names
+    from specbuild.pipeline.client import Client, grpc_inputs
+
+    client = Client(target="trtllm-llmapi", model="tensorrt_llm_bls")
+    assert client.model == "tensorrt_llm"
+    out, echoed = adapt_request("trtllm-llmapi", "ensemble", body(seed=3, stream=True))
+    assert not echoed and out["streaming"] is True and out["sampling_param_seed"] == 3
+    assert out["sampling_param_exclude_input_from_output"] is True       # the client strips nothing
+    with pytest.raises(RequestError, match="num_draft_tokens .*--reference-url"):
+        adapt_request("trtllm-llmapi", "ensemble", body(num_draft_tokens=0))
+    with pytest.raises(RequestError, match="min_tokens"):
+        adapt_request("trtllm-llmapi", "ensemble", body(min_tokens=2))
+    inputs = {i.name(): i for i in grpc_inputs(out, target="trtllm-llmapi", model="tensorrt_llm")}
+    assert inputs["sampling_param_max_tokens"].datatype() == "INT32"
+    assert inputs["sampling_param_seed"].datatype() == "UINT64"
+    assert inputs["streaming"].datatype() == "BOOL" and inputs["text_input"].datatype() == "BYTES"
+    assert all(i.shape() == [1] for i in inputs.values())
+    assert served_names("trtllm-llmapi", ["text_input", "max_tokens", "stream"]) == [
+        "text_input", "sampling_param_max_tokens", "streaming"]
+    assert served_names("trtllm-1.2", ["max_tokens"]) == ["max_tokens"]
 
 
 def test_loadtest_payload_speaks_the_release_or_refuses_with_the_reason(tiny_tokenizer):

@@ -88,10 +88,18 @@ def test_rehearsed_from_the_cli_speculation_equals_target_only(served, tiny_llam
                 out = post(url, "tensorrt_llm", {"text_input": prompt, "sampling_param_max_tokens": TOKENS,
                                                  "sampling_param_temperature": 0.0})["text_output"]
                 assert out == prompt + ref      # upstream's helpers default exclude_input_from_output to False
+                for how in ([], ["--no-stream"], ["--protocol", "grpc"]):   # the CLI's own client, the server
+                    r = _cli("infer", "--workdir", str(work), "--prompt", prompt,          # serve recorded
+                             "--max-tokens", str(TOKENS), *how)
+                    assert r.output.startswith(ref) and "tensorrt_llm via" in r.output, (how, r.output)
+            r = CliRunner().invoke(cli, ["infer", "--workdir", str(work), "--url", url, "--prompt", "x", "--stream"])
+            assert r.exit_code != 0 and "non-decoupled" in r.output
         finally:
             eng.shutdown()
+        r = CliRunner().invoke(cli, ["verify", "--workdir", str(work), "--url", url, "--seeds", "0"])
+        assert r.exit_code != 0 and "--reference-url" in r.output     # K = 0 cannot be asked per request
         stats = rehearse.engine_stats(work)["tensorrt_llm"]
-        assert stats["requests"] == len(PROMPTS) and stats["draft_tokens"] > 0
+        assert stats["requests"] == 4 * len(PROMPTS) and stats["draft_tokens"] > 0   # a POST + 3 infers each
         assert info["generation"] == "llmapi" and "model.py" in info["upstream_python_files"]
         served_model = (work / "rehearsal" / "triton" / "tensorrt_llm" / "1" / "model.py").read_bytes()
         upstream_model = (tree_of(info) / "1" / "model.py").read_bytes()

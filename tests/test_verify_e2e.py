@@ -40,7 +40,8 @@ def test_verify_without_a_server_says_how_to_start_one(tmp_path):
     assert "specbuild serve --background" in result.output
 
 
-def test_verify_catches_a_deliberately_broken_acceptor(tmp_path_factory, tiny_llama, tiny_llama_draft, tmp_path):
+def test_verify_catches_a_deliberately_broken_acceptor(tmp_path_factory, tiny_llama, tiny_llama_draft, tmp_path,
+                                                        running_server):
     """The same deployment with the test-only rule "unsafe-always-accept" (every drafted token kept, the
     target's verdict ignored): an unrelated draft then changes the output, and verify must exit non-zero."""
     from servers import ServerHandle, deploy_tiny, serve_options
@@ -56,8 +57,16 @@ def test_verify_catches_a_deliberately_broken_acceptor(tmp_path_factory, tiny_ll
     handle = ServerHandle(workdir, opts, serve.start(workdir, opts))
     try:
         result, out = _verify(handle, tmp_path, "--seeds", "0")
+        # --reference-url: the K = 0 side on another server, no num_draft_tokens sent (the llmapi path's way).
+        # The lossless server against itself passes; against the broken one as the reference it must fail, which
+        # only happens if the K = 0 requests really go there (the broken server's default policy drafts).
+        fine, _ = _verify(running_server, tmp_path / "same", "--seeds", "0",
+                          "--reference-url", running_server.http_url)
+        routed, _ = _verify(running_server, tmp_path / "routed", "--seeds", "0", "--reference-url", handle.http_url)
     finally:
         handle.stop()
+    assert fine.exit_code == 0, fine.output
+    assert routed.exit_code == 1 and "DIVERGES at token" in routed.output, routed.output
     assert result.exit_code == 1, result.output
     assert "DIVERGES at token" in result.output
     report = json.loads(out.read_text())
