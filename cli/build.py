@@ -78,7 +78,7 @@ def build_command(workdir, backend, max_batch_size, max_seq_len, max_draft_len, 
       specbuild convert --target demo:smollm2-135m-instruct --draft demo:smollm2-135m-instruct
       specbuild build --draft-quantize int4          # the demo self-draft: the target's own 4-bit blocks
       specbuild build --proposer ngram --max-batch-size 4 --force
-      specbuild build --draft-quantize int8 --adaptive-k --spec-max-concurrency 3
+      specbuild build --draft-quantize int4 --adaptive-k --spec-max-concurrency 3
       specbuild build --backend trtllm --max-draft-len 4 --dry-run
       specbuild build --backend trtllm --rehearse
     """

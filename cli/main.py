@@ -71,7 +71,7 @@ def cli(ctx: click.Context, config_path: str | None, verbose: int) -> None:
     \b
     Example (the whole pipeline on the offline demo models):
       specbuild convert --target demo:smollm2-135m-instruct --draft demo:smollm2-135m-instruct
-      specbuild build --draft-quantize int8      # the demo draft: an int8 copy of the target
+      specbuild build --draft-quantize int4      # the demo draft: the target's own GGUF blocks, 4-bit
       specbuild deploy && specbuild serve --background
       specbuild verify && specbuild loadtest --profile chat --profile batch
       specbuild stop

@@ -341,18 +341,27 @@ def test_bad_inputs_fail_before_any_load(embedded, tmp_path):
     assert not out.exists()
 
 
+def _loadtest_in_background(server, out: Path, *args: str) -> subprocess.Popen:
+    """`specbuild loadtest` as a user's process (its own session, so signals reach it alone)."""
+    argv = [sys.executable, "-m", "specbuild.cli.main", "loadtest", *_embedded_args(server, out, *args)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_chat_samples(out: Path, timeout: float) -> None:
+    """Until the first chat run has written a sample (the load is on), or `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(
+            p.stat().st_size > 0 for p in out.parent.glob(".tmp-report-*/runs/chat/default/samples/*.jsonl")):
+        time.sleep(0.2)
+
+
 def test_ctrl_c_still_writes_what_was_measured(embedded, tmp_path):
     out = tmp_path / "report"
-    argv = [sys.executable, "-m", "specbuild.cli.main", "loadtest",
-            *_embedded_args(embedded, out, "--profile", "chat", "--profile", "batch", "--users", "1",
-                            "--duration", "60", "--max-tokens", "8")]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _loadtest_in_background(embedded, out, "--profile", "chat", "--profile", "batch", "--users", "1",
+                                   "--duration", "60", "--max-tokens", "8")
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not any(
-                p.stat().st_size > 0 for p in out.parent.glob(".tmp-report-*/runs/chat/default/samples/*.jsonl")):
-            time.sleep(0.2)
+        _wait_for_chat_samples(out, 90)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         # "within a few seconds": Locust gets runner.INTERRUPT_GRACE_S, then is killed; the report follows.
@@ -377,16 +386,10 @@ def test_a_paused_server_is_reported_as_a_stall_and_the_run_recovers(embedded, t
 
     out = tmp_path / "report"
     pause_s = 8.0
-    argv = [sys.executable, "-m", "specbuild.cli.main", "loadtest",
-            *_embedded_args(embedded, out, "--profile", "chat", "--users", "2", "--duration", "24",
-                            "--max-tokens", "8")]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _loadtest_in_background(embedded, out, "--profile", "chat", "--users", "2", "--duration", "24",
+                                   "--max-tokens", "8")
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(
-                p.stat().st_size > 0 for p in out.parent.glob(".tmp-report-*/runs/chat/default/samples/*.jsonl")):
-            time.sleep(0.2)
+        _wait_for_chat_samples(out, 120)
         time.sleep(2.0)
         os.killpg(embedded.info.pid, signal.SIGSTOP)
         try:

@@ -281,7 +281,7 @@ def load_quantized_state_dict_(model: nn.Module, tensors: dict[str, torch.Tensor
     names = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".qweight", ".qs"))})
     if not names:
         raise UsageError("no `<module>.qweight` / `<module>.qs` tensors found: this is not a quantized weight file "
-                         "written by specbuild; rebuild the engine with `specbuild build --draft-quantize int8 "
+                         "written by specbuild; rebuild the engine with `specbuild build --draft-quantize int8|int4 "
                          "--force`.")
     for name in names:
         try:
