@@ -44,7 +44,7 @@ step "8/8 load tests swept over concurrency: chat and batch; speculation off / t
 SWEEP_DURATION="${DEMO_SWEEP_DURATION:-$(( DEMO_DURATION / 2 > 5 ? DEMO_DURATION / 2 : 5 ))}"
 loadtest_status=0
 "$SB" loadtest --profile chat --profile batch \
-  --sweep "chat:users=${DEMO_CHAT_USERS:-1,2,4}" --sweep "batch:users=${DEMO_BATCH_USERS:-4,8,16}" \
+  --sweep "chat:users=${DEMO_CHAT_USERS:-1,2,4,8}" --sweep "batch:users=${DEMO_BATCH_USERS:-2,4,8,16}" \
   --setting off:num_draft_tokens=0 --setting policy:default --setting draft:num_draft_tokens=4,proposer=draft \
   --duration "$SWEEP_DURATION" --min-requests "${DEMO_MIN_REQUESTS:-6}" --max-tokens 64 \
   --out "$WORKDIR/report" || loadtest_status=$?
