@@ -12,7 +12,9 @@ workers and one record processor, `--rounds` times, pinned to `--client-cpus`: c
 `--concurrency`, streaming `/v1/completions`, `--output-tokens` per request forced (`ignore_eos` +
 `min_tokens`, `max_tokens` sent by both), output tokens counted client-side with the same tokenizer. Each
 tool's CPU is its process tree's user + system time over its wall time (resource usage of waited-for
-children). Beside each run, the server's own decode time per token over that run (llama.cpp's
+children). With `--together`, each round runs AIPerf and specbuild at the same time instead, each with half the
+concurrency: both then measure the same server at the same moments, whose speed varies between runs on a VM
+(each tool's CPU from `os.wait4`). Beside each run, the server's own decode time per token over that run (llama.cpp's
 `tokens_predicted_seconds_total` / `tokens_predicted_total`): the clients agree on what the server did
 when their TPOT / server ratios agree, whatever the machine did between runs. Writes
 `<out>/crosscheck.json` and `<out>/crosscheck.md`.
@@ -83,8 +85,8 @@ def write_inputs(path: Path, n: int, output_tokens: int) -> Path:
     return path
 
 
-def run_aiperf(aiperf: str, url: str, inputs: Path, out: Path, *, cpus: str, concurrency: int, requests: int,
-               output_tokens: int, workers: int | None = None) -> dict[str, Any]:
+def aiperf_argv(aiperf: str, url: str, inputs: Path, out: Path, *, cpus: str, concurrency: int, requests: int,
+                output_tokens: int, workers: int | None = None) -> list[str]:
     argv = ["taskset", "-c", cpus, aiperf, "profile", "--model", "smollm2", "--url", url,
             "--endpoint-type", "completions", "--streaming", "--input-file", str(inputs),
             "--custom-dataset-type", "single_turn", "--concurrency", str(concurrency),
@@ -95,31 +97,74 @@ def run_aiperf(aiperf: str, url: str, inputs: Path, out: Path, *, cpus: str, con
             "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry", "--random-seed", "0"]
     if workers:   # AIPerf's own processes: fewer workers and record processors cost less CPU
         argv += ["--workers-max", str(workers), "--record-processor-service-count", "1"]
-    cost = _timed(argv, out.with_suffix(".log"), url)
+    return argv
+
+
+def aiperf_figures(out: Path, tool: str) -> dict[str, Any]:
     export = json.loads(next(out.rglob("profile_export_aiperf.json")).read_text())
     figures = {key: (export.get(tag) or {}).get("p50" if tag != "output_token_throughput" else "avg")
                for _, tag, key in METRICS}
-    return {"tool": "aiperf" if not workers else f"aiperf-{workers}w",
-            "requests": (export.get("request_count") or {}).get("avg"), **figures, "client": cost, "argv": argv}
+    return {"tool": tool, "requests": (export.get("request_count") or {}).get("avg"), **figures}
 
 
-def run_specbuild(url: str, inputs: Path, out: Path, *, cpus: str, concurrency: int, requests: int,
-                  output_tokens: int) -> dict[str, Any]:
-    profile = out.parent / "xcheck.toml"
+def run_aiperf(aiperf: str, url: str, inputs: Path, out: Path, *, workers: int | None = None,
+               **kw: Any) -> dict[str, Any]:
+    argv = aiperf_argv(aiperf, url, inputs, out, workers=workers, **kw)
+    cost = _timed(argv, out.with_suffix(".log"), url)
+    return {**aiperf_figures(out, "aiperf" if not workers else f"aiperf-{workers}w"), "client": cost, "argv": argv}
+
+
+def specbuild_argv(url: str, inputs: Path, out: Path, *, cpus: str, concurrency: int, requests: int,
+                   output_tokens: int) -> list[str]:
+    profile = out.parent / f"{out.name}.toml"
     # As AIPerf's --request-count: the run ends once `requests` completed (its ceiling far away)
     profile.write_text(f'name = "xcheck"\nusers = {concurrency}\nduration = 1\nmin_requests = {requests}\n'
                        f'max_duration = 1800\nstream = true\nmax_tokens = {output_tokens}\nprompt_set = "chat"\n'
                        'wait_time = [0.0, 0.0]\nchat_template = false\nfixed_output = true\n'
                        'return_perf_metrics = false\n')
-    argv = ["taskset", "-c", cpus, sys.executable, "-m", "specbuild.cli.main", "loadtest",
+    return ["taskset", "-c", cpus, sys.executable, "-m", "specbuild.cli.main", "loadtest",
             "--api", "openai-completions", "--url", url, "--metrics-url", "", "--tokenizer",
             str(llamacpp.tokenizer_dir()), "--profile", str(profile), "--prompts", str(inputs), "--lengths", "data",
             "--out", str(out)]
-    cost = _timed(argv, out.with_suffix(".log"), url)
+
+
+def specbuild_figures(out: Path) -> dict[str, Any]:
     [cell] = json.loads((out / "report.json").read_text())["cells"]
     figures = {key: (cell[key] or {}).get("p50") if key != "tokens_per_s" else cell[key] for _, _, key in METRICS}
-    return {"tool": "specbuild", "requests": cell["requests"], **figures, "client": cost,
-            "locust_cpu": cell.get("client_cpu"), "argv": argv}
+    return {"tool": "specbuild", "requests": cell["requests"], **figures, "locust_cpu": cell.get("client_cpu")}
+
+
+def run_specbuild(url: str, inputs: Path, out: Path, **kw: Any) -> dict[str, Any]:
+    argv = specbuild_argv(url, inputs, out, **kw)
+    cost = _timed(argv, out.with_suffix(".log"), url)
+    return {**specbuild_figures(out), "client": cost, "argv": argv}
+
+
+def run_together(jobs: list[tuple[list[str], Path]], url: str) -> list[dict[str, Any]]:
+    """Start every job at once against the same server (each with its share of the load) and wait for all:
+    the tools measure the same server at the same moments, so its speed cannot differ between them. Each
+    job's own CPU (os.wait4's resource usage) and wall time; the server's counters over the whole window."""
+    before, t0 = _server_counters(url), time.monotonic()
+    running = {}
+    for argv, log in jobs:
+        f = open(log, "w")
+        running[subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT).pid] = (argv, log, f)
+    done: dict[int, dict[str, Any]] = {}
+    while len(done) < len(running):
+        for pid, (argv, log, f) in running.items():
+            if pid in done:
+                continue
+            got, status, usage = os.wait4(pid, os.WNOHANG)
+            if got:
+                f.close()
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0:
+                    raise RuntimeError(f"{argv[3]} exited {code}; see {log}:\n{log.read_text()[-2000:]}")
+                wall, cpu = time.monotonic() - t0, usage.ru_utime + usage.ru_stime
+                done[pid] = {"wall_s": wall, "cpu_s": cpu, "cores": cpu / wall}
+        time.sleep(0.05)
+    server = _server_side(before, _server_counters(url))
+    return [{**done[pid], "server": server, "together": True} for pid in running]
 
 
 def compare(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -162,6 +207,15 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _round_together(args, url: str, inputs: Path, i: int, kw: dict[str, Any]) -> list[dict[str, Any]]:
+    half = {**kw, "concurrency": max(1, kw["concurrency"] // 2)}
+    a_out, s_out = args.out / f"together-aiperf-{i}", args.out / f"together-specbuild-{i}"
+    a_argv, s_argv = aiperf_argv(args.aiperf, url, inputs, a_out, **half), specbuild_argv(url, inputs, s_out, **half)
+    a_cost, s_cost = run_together([(a_argv, a_out.with_suffix(".log")), (s_argv, s_out.with_suffix(".log"))], url)
+    return [{**aiperf_figures(a_out, "aiperf"), "client": a_cost, "argv": a_argv},
+            {**specbuild_figures(s_out), "client": s_cost, "argv": s_argv}]
+
+
 def main(argv: list[str] | None = None) -> None:   # pragma: no cover - a measurement, run by hand
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--aiperf", required=True, help="the aiperf executable (a throwaway venv's)")
@@ -175,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:   # pragma: no cover - a measur
     ap.add_argument("--aiperf-workers", type=int, default=0,
                     help="also run AIPerf with this many workers and one record processor (0: only its defaults)")
     ap.add_argument("--model", default=llamacpp.DRAFT_GGUF, help="GGUF under the llama.cpp models dir")
+    ap.add_argument("--together", action="store_true",
+                    help="run AIPerf and specbuild at the same time, each with half of --concurrency, so both "
+                         "measure the same server at the same moments (its speed varies between runs on a VM)")
     args = ap.parse_args(argv)
     if llamacpp.missing():
         sys.exit(llamacpp.missing())
@@ -188,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:   # pragma: no cover - a measur
         for i in range(args.rounds):
             kw = dict(cpus=args.client_cpus, concurrency=args.concurrency, requests=args.requests,
                       output_tokens=args.output_tokens)
+            if args.together:
+                rows += _round_together(args, server.url, inputs, i, kw)
+                print(json.dumps(rows[-2:], default=str)[:3000], flush=True)
+                continue
             rows.append(run_aiperf(args.aiperf, server.url, inputs, args.out / f"aiperf-{i}", **kw))
             rows.append(run_specbuild(server.url, inputs, args.out / f"specbuild-{i}", **kw))
             if args.aiperf_workers:
