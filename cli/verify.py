@@ -61,8 +61,8 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
               help="Send each prompt as a user turn in the target's chat template (instruct models), or raw.")
 @click.option("--out", type=click.Path(resolve_path=True, dir_okay=False), default=None,
               help="Where to write the JSON report. Default: <workdir>/verify/report.json.")
-def verify_command(workdir, url, reference_url, model, prompts, prompts_file, num_draft_tokens, max_tokens, seeds, positions,
-                   temperature, alpha, concurrency, tokenizer, chat, out):
+def verify_command(workdir, url, reference_url, model, prompts, prompts_file, num_draft_tokens, max_tokens, seeds,
+                   positions, temperature, alpha, concurrency, tokenizer, chat, out):
     """Check that speculation changes nothing: greedy outputs token-identical with K and without, and the
     sampled distribution of the first positions unchanged. Exits 1 on any drift.
 
@@ -101,10 +101,9 @@ def _generate_fn(workdir: Path, endpoint: str, reference_url: str | None, model:
     `reference_url` (then num_draft_tokens is never sent: both servers run their deployed policy; the reference
     is taken to be the same kind of deployment, with the same client model)."""
     from specbuild.pipeline.client import Client, client_for
-    from specbuild.pipeline import contract as c
 
     client = client_for(workdir, endpoint, model=model, tokenizer_dir=tokenizer_dir)
-    if reference_url is None and client.target == c.LLMAPI_TARGET:
+    if reference_url is None and client.target == contract.LLMAPI_TARGET:
         raise UsageError("this deployment is TensorRT-LLM's llmapi path: its speculation is fixed by model.yaml's "
                          "speculative_config, so K = 0 cannot be asked per request. Serve the target a second time "
                          "without speculative_config and pass it as --reference-url.")

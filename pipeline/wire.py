@@ -23,6 +23,7 @@ release's own model config (`random_seed` is UINT64 there, never INT32).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -104,8 +105,10 @@ def encode(api: str, prompt: str, fields: dict[str, Any], *, model: str | None, 
     return kserve_path(model or contract.ENSEMBLE_MODEL, stream), {"text_input": prompt, **fields}
 
 
+@functools.lru_cache(maxsize=None)
 def _declared_datatypes(target: str, model: str | None) -> dict[str, str]:
-    """name -> KServe datatype the deployment's model declares (a TensorRT-LLM release's config), or {}."""
+    """name -> KServe datatype the deployment's model declares (a TensorRT-LLM release's config), or {}; read
+    once per (target, model), not per request (callers only read the dict)."""
     family = contract.trtllm_family(target)
     try:
         from specbuild.engines.trtllm import upstream_facts

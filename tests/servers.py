@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,18 @@ def free_ports(n: int = 3) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+@contextlib.contextmanager
+def reaped(proc):
+    """Run the block with `proc` (a process the test started); on the way out, however it ends, kill that
+    process by its own PID if it still runs and reap it."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def serve_options(**kw) -> serve.ServeOptions:

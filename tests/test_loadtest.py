@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
+from servers import reaped
 
 from specbuild.cli.main import cli
 
@@ -360,17 +361,13 @@ def test_ctrl_c_still_writes_what_was_measured(embedded, tmp_path):
     out = tmp_path / "report"
     proc = _loadtest_in_background(embedded, out, "--profile", "chat", "--profile", "batch", "--users", "1",
                                    "--duration", "60", "--max-tokens", "8")
-    try:
+    with reaped(proc):
         _wait_for_chat_samples(out, 90)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         # "within a few seconds": Locust gets runner.INTERRUPT_GRACE_S, then is killed; the report follows.
         # 60 s holds on a machine 3x slower (here it takes a few seconds).
         output, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 130, output
     data = json.loads((out / "report.json").read_text())
     assert data["status"] == "interrupted" and [c["profile"] for c in data["cells"]] == ["chat"]
@@ -388,7 +385,7 @@ def test_a_paused_server_is_reported_as_a_stall_and_the_run_recovers(embedded, t
     pause_s = 8.0
     proc = _loadtest_in_background(embedded, out, "--profile", "chat", "--users", "2", "--duration", "24",
                                    "--max-tokens", "8")
-    try:
+    with reaped(proc):
         _wait_for_chat_samples(out, 120)
         time.sleep(2.0)
         os.killpg(embedded.info.pid, signal.SIGSTOP)
@@ -397,10 +394,6 @@ def test_a_paused_server_is_reported_as_a_stall_and_the_run_recovers(embedded, t
         finally:
             os.killpg(embedded.info.pid, signal.SIGCONT)
         output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, output
     cell = json.loads((out / "report.json").read_text())["cells"][0]
     assert cell["status"] == "ok" and cell["failures"] == 0 and cell["requests"] > 0

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from servers import free_ports, serve_options
+from servers import free_ports, reaped, serve_options
 from specbuild.pipeline import serve
 from specbuild.pipeline.errors import ServerError, UsageError
 from specbuild.pipeline.manifest import Manifest, write_manifest
@@ -175,7 +175,7 @@ def test_foreground_serve_stops_cleanly_on_ctrl_c(workdir):
     proc = subprocess.Popen([str(exe), "serve", "--workdir", str(workdir), "--http-port", str(http),
                              "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--timeout", "120"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with reaped(proc):
         deadline = time.monotonic() + 150
         while serve.read_state(workdir) is None or not serve.is_ready(serve.read_state(workdir)):
             assert proc.poll() is None, proc.stdout.read()
@@ -184,10 +184,6 @@ def test_foreground_serve_stops_cleanly_on_ctrl_c(workdir):
         pid = serve.read_state(workdir).pid
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, out
     assert "server stopped" in out
     assert not alive(pid) and not serve._group_members(pid)
