@@ -19,6 +19,7 @@ the engine runs eager PyTorch and says why once (`status()`), so every test and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -94,14 +95,34 @@ def _load(build: bool) -> object | None:
 
     out.mkdir(parents=True, exist_ok=True)
     try:
-        _EXT = cpp_extension.load(name=name, sources=[str(_source())], extra_cflags=CFLAGS,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+        with _build_lock(out):
+            _EXT = cpp_extension.load(name=name, sources=[str(_source())], extra_cflags=CFLAGS,
+                                      extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: the engine runs eager
         _WHY = f"building the fused decode step failed ({type(e).__name__}: {str(e).strip().splitlines()[-1:]})"
         log.warning("%s; the engine runs eager PyTorch", _WHY)
         return None
     _WHY = None
     return _EXT
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """One builder at a time, by a kernel lock that dies with its holder. torch's own baton is a plain `lock` file
+    that a build killed mid-compile leaves behind, and every later load then waits for it forever; under our lock
+    such a file can only be stale, so it is removed."""
+    import fcntl
+
+    with open(out / ".specbuild-build.flock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = out / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def extension(build: bool = False):
