@@ -15,7 +15,7 @@ status (`hostile_by_case`). A 500 whose message is one of tritonserver's own JSO
 its HTTP frontend before any model code runs; docs/serving.md "HTTP 500s that tritonserver answers itself")
 is `upstream_500`; any other 5xx, a stream that fails after its 200, or a dropped connection is ours.
 
-Every --sample-interval s: RSS and threads of the engine's stub process (and of tritonserver), the
+Every --sample-interval s: RSS and threads of the engine's process (the engine process; and tritonserver), the
 engine's slots / live requests (Triton metrics) and the requests the soak has in flight; `live - in
 flight` is a lower bound on the requests still held by clients that gave up. After the load the soak
 waits (bounded by --drain-timeout) until no request is live and every slot is free.
@@ -213,8 +213,7 @@ def request_timeout(workdir: Path) -> str:
         return "unknown"
 
 
-def engine_stub(server_pid: int) -> int | None:
-    """The Python-backend stub process that holds the engine (model tensorrt_llm)."""
+def _child(parent: int, marker: bytes) -> int | None:
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -223,9 +222,21 @@ def engine_stub(server_pid: int) -> int | None:
             stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(stat[1]) == server_pid and any(b"tensorrt_llm/1/model.py" in c for c in cmd):
+        if int(stat[1]) == parent and any(marker in c for c in cmd):
             return int(pid)
     return None
+
+
+def engine_stub(server_pid: int, wait_s: float = 30.0) -> int | None:
+    """The process that holds the engine: the engine process (`specbuild.engines.embedded.service`, a child of
+    model tensorrt_llm's stub; a new one after the stub restarted it), else the stub itself (older deployments)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        stub = _child(server_pid, b"tensorrt_llm/1/model.py")
+        engine = _child(stub, b"specbuild.engines.embedded.service") if stub else None
+        if engine or time.monotonic() > deadline:
+            return engine or stub
+        time.sleep(0.5)
 
 
 def proc_stats(pid: int | None) -> dict:
@@ -655,7 +666,7 @@ def plot(report: dict, path: Path) -> str | None:
         if not pts:
             continue
         t = [s["t"] for s in pts]
-        ax1.plot(t, [s["rss_mb"] for s in pts], "-", color="tab:blue", label="engine stub RSS (MB)" if life == 0 else None)
+        ax1.plot(t, [s["rss_mb"] for s in pts], "-", color="tab:blue", label="engine process RSS (MB)" if life == 0 else None)
         ax2.plot(t, [s["threads"] for s in pts], "--", color="tab:orange", label="threads" if life == 0 else None)
         v = report["memory"][life] if life < len(report["memory"]) else {}
         if v.get("warmup_s") is not None:

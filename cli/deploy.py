@@ -71,8 +71,9 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, max_queue_
     """Package WORKDIR/engines/ into a Triton model repository in WORKDIR/model_repository/.
 
     The client-facing models are `ensemble` and `tensorrt_llm_bls` (upstream names and
-    tensors, see docs/serving.md); with the embedded backend one `tensorrt_llm` model holds the
-    engine and batches all requests continuously. Re-running unchanged is a no-op.
+    tensors, see docs/serving.md); with the embedded backend the `tensorrt_llm` model starts the
+    engine process, which batches the requests of all three models continuously. Re-running
+    unchanged is a no-op.
 
     \b
     Example:

@@ -130,4 +130,6 @@ def server_env(binary: TritonBinary, base: dict[str, str] | None = None) -> dict
     # model.py calls site.addsitedir() on these so .pth files (editable installs) are honoured.
     env["SPECBUILD_SITE_DIRS"] = os.pathsep.join(site_dirs())
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # the interpreter of the embedded engine's own process (model tensorrt_llm starts it)
+    env.setdefault("SPECBUILD_PYTHON", sys.executable)
     return env

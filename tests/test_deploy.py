@@ -53,7 +53,9 @@ def test_rendered_configs_parse_and_keep_the_contract(tmp_path):
     assert engine.model_transaction_policy.decoupled
     assert [(g.count, g.kind) for g in engine.instance_group] == [(1, model_config_pb2.ModelInstanceGroup.KIND_CPU)]
     assert all(i.optional for i in engine.input)
-    assert {"request_key", "abort", "num_draft_tokens"} <= {i.name for i in engine.input}
+    # the whole client contract (it serves requests like the client-facing models); no internal inputs any more
+    assert {"text_input", "max_tokens", "num_draft_tokens", "proposer"} <= {i.name for i in engine.input}
+    assert not {"request_key", "abort"} & {i.name for i in engine.input}
     params = {k: v.string_value for k, v in engine.parameters.items()}
     assert params == {"engine_dir": str((tmp_path / "engines").resolve()), "device": "cpu", "threads": "2",
                       "max_queue_size": "", "queue_timeout_s": "", "request_timeout_s": "",

@@ -2,12 +2,15 @@
 
 Output (`<workdir>/model_repository/`)::
 
-    tensorrt_llm/config.pbtxt, 1/model.py       Python backend, decoupled, ONE instance holding the engine
-    ensemble/config.pbtxt, 1/model.py           client-facing (upstream name + tensors), BLS -> tensorrt_llm
-    tensorrt_llm_bls/config.pbtxt, 1/model.py   client-facing, + num_draft_tokens, BLS -> tensorrt_llm
+    tensorrt_llm/config.pbtxt, 1/model.py       Python backend, decoupled, ONE instance: starts the engine process
+    ensemble/config.pbtxt, 1/model.py           client-facing (upstream name + tensors) -> the engine process
+    tensorrt_llm_bls/config.pbtxt, 1/model.py   client-facing, + num_draft_tokens -> the engine process
 
-The client-facing models are Python forwarders rather than a Triton ensemble because Triton 2.51 does
-not propagate a client's cancellation into ensemble steps (see model_repository/embedded/forward/).
+Every model talks to the one engine process (`engines/embedded/service.py`) over its own Unix-socket
+connection and answers its own clients. The client-facing models are Python forwarders rather than a Triton
+ensemble because Triton 2.51 does not propagate a client's cancellation into ensemble steps, and they do not
+forward through `tensorrt_llm` (BLS) because a stub-to-stub response waits on the receiving stub: one dead
+stub hung them all (see model_repository/embedded/triton_models.py).
 
 The tensors of the client-facing models come from `specbuild.pipeline.contract`, so the embedded and the
 TensorRT-LLM deployments declare the same names, dtypes and dims. Every rendered config is parsed
@@ -36,9 +39,6 @@ DEFAULTS = {"max_batch_size": 64, "device": "", "threads": 0,  # device "": as b
 # deployment can compare speculation off / draft model / n-gram (`loadtest --setting`, `tune`).
 EXTRA_INPUTS = (contract.TensorSpec("min_length", "TYPE_INT32", (1,)),
                 contract.TensorSpec("proposer", "TYPE_STRING", (1,)))
-# Internal inputs of the engine model, set only by the forwarding models.
-INTERNAL_INPUTS = (contract.TensorSpec("request_key", "TYPE_STRING", (1,)),
-                   contract.TensorSpec("abort", "TYPE_BOOL", (1,)))
 
 
 def _tensor(t: contract.TensorSpec, *, optional: bool | None = None) -> str:
@@ -74,7 +74,7 @@ def _options(ctx: StageContext) -> dict:
 
 def render(engine_dir: Path, options: dict) -> dict[str, str]:
     """Relative path -> file content of the whole repository."""
-    engine_inputs = contract.CLIENT_INPUTS + EXTRA_INPUTS + INTERNAL_INPUTS
+    engine_inputs = contract.CLIENT_INPUTS + EXTRA_INPUTS
     common = {"max_batch_size": int(options["max_batch_size"]),
               "outputs": _block("output", contract.CLIENT_OUTPUTS, optional=False)}
     files = {

@@ -1,0 +1,242 @@
+"""The Triton side of the engine process (no Triton imports): where its socket lives, a connection to it,
+and the supervisor that starts it and starts it again when it dies.
+
+    path = socket_path(model_repository, os.getppid())      # the same for every model of one tritonserver
+    proc = EngineProcess(argv_for(engine_dir, path, params), path); proc.start(timeout=600); proc.watch(...)
+    conn = EngineConnection(path, on_frame=..., on_lost=...)
+    conn.send({"op": "submit", "key": "7", "tensors": {...}})
+
+See `service.py` for the protocol and why the engine runs in a process of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from specbuild.engines.embedded.wire_ipc import encode, recv
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(ConnectionError):
+    """The engine process cannot be reached (not started, restarting, or gone); the request gets a 503."""
+
+
+def socket_path(model_repository: str | Path, server_pid: int) -> str:
+    """A private path for one tritonserver (its pid) serving one model repository; <= 108 bytes (AF_UNIX)."""
+    base = Path(tempfile.gettempdir()) / f"specbuild-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    st = base.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{base} must be a directory of this user's with mode 0700 (it holds the engine's "
+                              "socket); remove it or fix its owner and mode.")
+    digest = hashlib.sha256(os.path.realpath(model_repository).encode()).hexdigest()[:12]
+    return str(base / f"engine-{digest}-{server_pid}.sock")
+
+
+def python_executable() -> str:
+    """The interpreter that runs the engine process: $SPECBUILD_PYTHON (`specbuild serve` sets it), else python3."""
+    exe = os.environ.get("SPECBUILD_PYTHON") or shutil.which("python3") or shutil.which("python")
+    if not exe:
+        raise EngineUnavailable("no Python interpreter for the engine process: set SPECBUILD_PYTHON to the python "
+                                "of the environment specbuild is installed in.")
+    return exe
+
+
+def argv_for(engine_dir: str, path: str, params: dict) -> list[str]:
+    import json
+
+    return [python_executable(), "-m", "specbuild.engines.embedded.service", "--engine-dir", engine_dir,
+            "--socket", path, "--params", json.dumps(params), "--parent-pid", str(os.getpid())]
+
+
+class EngineConnection:
+    """One connection to the engine process, shared by the threads of one Triton model.
+
+    `send` connects on first use (waiting up to `connect_timeout` s for the socket) and raises EngineUnavailable
+    when it cannot; a reader thread hands every frame to `on_frame`; when the connection breaks, `on_lost(reason)`
+    is called once and the next `send` connects again."""
+
+    def __init__(self, path: str, on_frame: Callable[[dict], None], on_lost: Callable[[str], None], *,
+                 role: str = "requests", connect_timeout: float = 5.0, send_timeout: float = 30.0):
+        self.path, self.role = path, role
+        self.on_frame, self.on_lost = on_frame, on_lost
+        self.connect_timeout, self.send_timeout = connect_timeout, send_timeout
+        self.engine_id: str | None = None
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()          # connect / send
+        self._closed = False
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def open(self) -> None:
+        """Connect now (instead of at the first send); EngineUnavailable if the engine does not answer."""
+        with self._lock:
+            if self._sock is None:
+                self._connect()
+
+    def send(self, msg: dict) -> None:
+        frame = encode(msg)
+        with self._lock:
+            sock = self._sock or self._connect()
+            try:
+                sock.sendall(frame)
+            except OSError as e:
+                self._drop(sock, f"send failed ({e})")
+                raise EngineUnavailable(f"the engine process connection broke: {e}") from None
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _connect(self) -> socket.socket:
+        if self._closed:
+            raise EngineUnavailable("the model is shutting down")
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(max(1.0, self.connect_timeout))
+                sock.connect(self.path)
+                sock.sendall(encode({"op": "hello", "role": self.role}))
+                ready = recv(sock)
+                if ready.get("op") != "ready":
+                    raise ConnectionError(f"unexpected answer {ready.get('op')!r}")
+                break
+            except (OSError, EOFError) as e:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise EngineUnavailable(f"the engine process is not running ({self.path}: {e}); it may be "
+                                            "starting or restarting; retry shortly.") from None
+                time.sleep(0.1)
+        sock.settimeout(self.send_timeout)     # sends: a stuck engine fails the sender instead of hanging it
+        self.engine_id = ready.get("engine")
+        self._sock = sock
+        threading.Thread(target=self._read_loop, args=(sock,), name=f"engine-{self.role}-reader",
+                         daemon=True).start()
+        return sock
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        reason = "the engine closed the connection"
+        try:
+            while True:
+                try:
+                    msg = recv(sock)
+                except socket.timeout:
+                    continue                   # the timeout bounds sends; an idle read just goes on
+                self.on_frame(msg)
+        except EOFError:
+            pass
+        except Exception as e:  # noqa: BLE001 - the connection is over whatever broke it
+            reason = f"{type(e).__name__}: {e}"
+        with self._lock:
+            self._drop(sock, reason)
+
+    def _drop(self, sock: socket.socket, reason: str) -> None:
+        """(lock held) Forget `sock` if it is still the current one, and tell the owner once."""
+        if self._sock is not sock:
+            return
+        self._sock = None
+        try:
+            sock.close()
+        except OSError:
+            pass
+        if not self._closed:
+            threading.Thread(target=self.on_lost, args=(reason,), daemon=True).start()
+
+
+class EngineProcess:
+    """Start the engine process, wait until it serves, and start it again when it dies (a non-zero exit or a
+    signal; exit 0 is a requested stop) until `stop`."""
+
+    def __init__(self, argv: list[str], path: str, *, env: dict | None = None,
+                 on_restart: Callable[[], None] | None = None):
+        self.argv, self.path, self.env, self.on_restart = argv, path, env, on_restart
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
+
+    def start(self, timeout: float) -> None:
+        """Start the process and return once its socket answers; raise RuntimeError if it exits first."""
+        log.info("starting the engine process: %s", " ".join(self.argv[:6]))
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=sys.stderr, stderr=sys.stderr)
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"the engine process exited with code {code} while loading; its log is in "
+                                   "the server log (lines 'specbuild-engine ...').")
+            if _answers(self.path):
+                return
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the engine process did not serve within {timeout:.0f} s.")
+            time.sleep(0.1)
+
+    def watch(self) -> None:
+        threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True).start()
+
+    def _supervise(self) -> None:
+        backoff = 1.0
+        while not self._stopping.is_set():
+            code = self.proc.wait()
+            if self._stopping.is_set():
+                return
+            if code == 0:       # it was asked to stop (SIGTERM: the server is shutting down), it did not die
+                log.warning("the engine process (pid %d) stopped; not starting it again", self.proc.pid)
+                return
+            self.restarts += 1
+            log.error("the engine process (pid %d) exited with code %s; starting it again in %.0f s (restart %d)",
+                      self.proc.pid, code, backoff, self.restarts)
+            if self._stopping.wait(backoff):
+                return
+            started = time.monotonic()
+            try:
+                self.start(timeout=600.0)
+            except RuntimeError as e:
+                log.error("restarting the engine failed: %s", e)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            backoff = 1.0 if time.monotonic() - started > 60 else min(backoff * 2, 30.0)
+            if self.on_restart is not None:
+                self.on_restart()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def _answers(path: str) -> bool:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(path)
+        sock.sendall(encode({"op": "hello", "role": "probe"}))
+        return recv(sock).get("op") == "ready"
+    except (OSError, EOFError):
+        return False
+    finally:
+        sock.close()

@@ -1,0 +1,183 @@
+"""The engine process's socket service in-process (a real Engine + Frontend, a real Unix socket, the real client
+class the Triton models use; no Triton): answers match the engine's own, the wire keeps every tensor value the
+frontend must judge, and no peer can hold the engine: a peer that stops reading or goes away is cut off alone
+and its slots free, while the other connections keep being served; metrics wait for the publisher's ack, but
+not for a publisher that stopped acknowledging."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from specbuild.engines.embedded import Engine, SamplingParams
+from specbuild.engines.embedded.frontend import Frontend
+from specbuild.engines.embedded.service import EngineService, ServiceOptions
+from specbuild.engines.embedded.service_client import EngineConnection, EngineUnavailable
+from specbuild.engines.embedded.wire_ipc import encode, recv, tensor_from_wire, tensor_to_wire
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of"]
+WAIT = 120  # seconds; a bound for a slow shared machine, never a speed requirement
+
+
+def wire(**kw) -> dict:
+    out = {}
+    for k, v in kw.items():
+        arr = np.array([[v.encode()]], dtype=np.object_) if isinstance(v, str) else np.array([[v]])
+        out[k] = tensor_to_wire(arr)
+    return out
+
+
+class Client:
+    """A connection plus the replies per key (what a Triton model keeps)."""
+
+    def __init__(self, path, role="requests"):
+        self.replies: dict[str, list[dict]] = {}
+        self.done: dict[str, threading.Event] = {}
+        self.lost = threading.Event()
+        self.conn = EngineConnection(path, self._frame, lambda reason: self.lost.set(), role=role)
+
+    def _frame(self, msg):
+        if msg["op"] == "reply":
+            self.replies.setdefault(msg["key"], []).append(msg)
+            if msg["final"]:
+                self.done.setdefault(msg["key"], threading.Event()).set()
+
+    def submit(self, key, **kw):
+        self.done.setdefault(key, threading.Event())
+        self.conn.send({"op": "submit", "key": key, "tensors": wire(**kw)})
+
+    def text(self, key):
+        assert self.done[key].wait(WAIT), f"no final reply for {key}"
+        return "".join(m["text"] for m in self.replies[key])
+
+
+def wait_until(pred, what):
+    deadline = time.monotonic() + WAIT
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture()
+def service(tmp_path, tiny_llama, tiny_llama_draft):
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama_draft, max_batch_size=4, max_seq_len=4096, max_draft_len=4)
+    holder = {}
+    fe = Frontend(eng, metrics_sink=lambda m: holder["svc"].publish(m))
+    svc = holder["svc"] = EngineService(fe, tmp_path / "engine.sock",
+                                        ServiceOptions(stall_timeout_s=0.5, metrics_ack_s=0.5,
+                                                       send_buffer_bytes=4096))
+    fe.start()
+    svc.bind()
+    stop = threading.Event()
+    t = threading.Thread(target=svc.serve, args=(stop,), daemon=True)
+    t.start()
+    yield svc, eng
+    stop.set()
+    t.join(10)
+    fe.close(timeout=5)
+
+
+def reference(eng, prompt, n):
+    return eng.generate(prompt, SamplingParams(max_tokens=n, min_tokens=n), num_draft_tokens=0).text
+
+
+def test_tensors_keep_every_value_on_the_wire():
+    for arr in (np.array([[float("nan")]], dtype=np.float32), np.array([[2 ** 64 - 1]], dtype=np.uint64),
+                np.array([[-1]], dtype=np.int64), np.array([[True]]), np.array([[b"\xff\xfe", b"a"]], dtype=object),
+                np.array([[1e300]], dtype=np.float64)):
+        back = tensor_from_wire(tensor_to_wire(arr))
+        assert back.dtype == arr.dtype and back.shape == arr.shape
+        if arr.dtype.kind == "f":
+            assert (math.isnan(back.item()) and math.isnan(arr.item())) or back.item() == arr.item()
+        else:
+            assert back.tolist() == arr.tolist()
+
+
+def test_answers_match_the_engine_and_refusals_name_the_limit(service):
+    svc, eng = service
+    ref = reference(eng, PROMPTS[0], 12)
+    c = Client(svc.path)
+    c.submit("a", text_input=PROMPTS[0], max_tokens=12, min_tokens=12)
+    c.submit("s", text_input=PROMPTS[0], max_tokens=12, min_tokens=12, stream=True, return_perf_metrics=True)
+    c.submit("bad", text_input=PROMPTS[0], max_tokens=4, temperature=float("nan"))
+    assert c.text("a") == PROMPTS[0] + ref                 # non-streaming: one reply, prompt included
+    assert len(c.replies["a"]) == 1 and c.replies["a"][0]["carries_text"]
+    assert c.text("s") == ref and c.replies["s"][-1]["perf"] is not None
+    assert c.done["bad"].wait(WAIT)
+    bad = c.replies["bad"][-1]
+    assert bad["kind"] == "invalid" and "temperature=nan must be a finite" in bad["error"]
+
+
+def test_a_peer_that_stops_reading_is_cut_off_alone(service):
+    svc, eng = service
+    ref = reference(eng, PROMPTS[1], 16)
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.connect(str(svc.path))
+    stuck.sendall(encode({"op": "hello", "role": "requests"}))
+    assert recv(stuck)["op"] == "ready"
+    for i in range(3):                         # long streams whose pieces it never reads
+        stuck.sendall(encode({"op": "submit", "key": f"x{i}", "tensors": wire(
+            text_input=PROMPTS[0], max_tokens=4000, min_tokens=4000, stream=True)}))
+    good = Client(svc.path)
+    good.submit("g", text_input=PROMPTS[1], max_tokens=16, min_tokens=16)
+    assert good.text("g") == PROMPTS[1] + ref           # served while the stuck peer holds 3 of 4 slots
+    # the writer blocks on the full socket; after stall_timeout_s the connection is closed and its requests end
+    wait_until(lambda: svc.frontend.live() == 0, "the stuck peer's requests to be cancelled")
+    assert svc.frontend.counters["requests_cancelled_total"] >= 1
+    wait_until(lambda: eng.metrics()["slots_free"] == 4, "every slot free")
+    good.submit("g2", text_input=PROMPTS[1], max_tokens=16, min_tokens=16)
+    assert good.text("g2") == PROMPTS[1] + ref
+    stuck.close()
+
+
+def test_a_peer_that_goes_away_frees_its_slots(service):
+    svc, eng = service
+    gone = Client(svc.path)
+    for i in range(3):
+        gone.submit(f"x{i}", text_input=PROMPTS[0], max_tokens=4000, min_tokens=4000, stream=True)
+    wait_until(lambda: svc.frontend.live() == 3, "the requests to start")
+    gone.conn.close()
+    wait_until(lambda: svc.frontend.live() == 0, "the gone peer's requests to be cancelled")
+    assert svc.frontend.counters["requests_cancelled_total"] == 3
+    wait_until(lambda: eng.metrics()["slots_free"] == 4, "every slot free")
+
+
+def test_metrics_wait_for_the_ack_but_not_for_a_publisher_that_stopped(service):
+    svc, eng = service
+    seen = []
+
+    class Publisher(Client):
+        acking = True
+
+        def _frame(self, msg):
+            if msg["op"] == "metrics":
+                seen.append(msg["m"])
+                if self.acking:
+                    self.conn.send({"op": "metrics_ack", "seq": msg["seq"]})
+
+    pub = Publisher(svc.path, role="metrics")
+    pub.conn.open()
+    c = Client(svc.path)
+    c.submit("a", text_input=PROMPTS[0], max_tokens=8, min_tokens=8)
+    c.text("a")
+    # pushed and acknowledged before the final reply: the client that has its answer finds it counted
+    assert any(m["requests_total"] >= 1 and m["live"] == 0 for m in seen)
+    pub.acking = False
+    for key in ("b", "c", "d"):
+        c.submit(key, text_input=PROMPTS[0], max_tokens=8, min_tokens=8)
+        c.text(key)                            # served although the publisher no longer answers
+    assert svc._ack_lagging
+
+
+def test_no_engine_is_a_clear_unavailable(tmp_path):
+    conn = EngineConnection(str(tmp_path / "none.sock"), lambda m: None, lambda r: None, connect_timeout=0.2)
+    with pytest.raises(EngineUnavailable, match="not running"):
+        conn.send({"op": "cancel", "key": "1"})
