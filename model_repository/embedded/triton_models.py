@@ -263,6 +263,8 @@ class EngineModel(ForwardingModel):
     def _publish(self, m: dict) -> None:
         """Counters are totals of the engine's life in `m`; each metric is incremented by what it has not seen."""
         with self.metrics_lock:
+            if not self.metrics:
+                return                                   # finalized
             drafted = m.get("draft_tokens_total", 0)
             m["acceptance_rate"] = m.get("accepted_tokens_total", 0) / drafted if drafted else 0.0
             m["engine_restarts"] = self.process.restarts
@@ -309,4 +311,16 @@ class EngineModel(ForwardingModel):
             super().finalize()
         finally:
             self.process.stop(timeout=10.0)
+            # Drop the metric objects now, while the stub can still take their delete messages: left to the
+            # interpreter's exit they are destroyed after the stub, and 2.51's Metric::Clear then dereferences
+            # the freed stub (a segfault at exit, `Metric::SaveToSharedMemory` in the kernel log; fixed upstream
+            # by python_backend 47f9e03, Mar 2026).
+            with self.metrics_lock:
+                self.metrics.clear()
+                self.per_pos.clear()
+                self.families.clear()
+                self.per_pos_family = None
+            import gc
+
+            gc.collect()
             pb_utils.Logger.log_info("specbuild engine stopped")
