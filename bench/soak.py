@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import re
 import signal
 import statistics
@@ -340,6 +341,7 @@ class Soak:
         self.life = 0
         self.life_t0 = time.monotonic()
         self.stub: int | None = None
+        self.server_logs: list[str] = []
         self.phase = "load"
 
     @property
@@ -692,8 +694,21 @@ def plot(report: dict, path: Path) -> str | None:
     return str(path)
 
 
+def server_gone(report: dict) -> list[dict]:
+    """Lives in which tritonserver vanished on its own (no RSS sample outside a planned restart)."""
+    gone, seen = [], set()
+    for x in report.get("samples", []):
+        if x.get("server_rss_mb") is None and x.get("phase") != "restart" and x.get("life") not in seen:
+            seen.add(x.get("life"))
+            gone.append({"life": x.get("life"), "at_s": round(x.get("t", 0), 1)})
+    return gone
+
+
 def gate(report: dict, args) -> dict:
     reasons = []
+    for g in report.get("server_gone", []):
+        reasons.append(f"tritonserver died on its own at {g['at_s']:.0f} s (server life {g['life']}); its log is "
+                       f"kept in {', '.join(report.get('server_logs', [])) or 'nowhere'}")
     if report["good_wrong_text"]:
         reasons.append(f"{report['good_wrong_text']} good requests returned a different text")
     if report["good_failed"]:
@@ -771,6 +786,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def keep_server_log(soak: Soak, workdir: Path) -> None:
+    """Copy this life's tritonserver.log (stubs and engine process included) beside the report: a temporary
+    workdir goes at the end, and a restart starts a new log."""
+    src = Path(workdir) / "server" / "tritonserver.log"
+    dst = soak.args.out.parent / f"{soak.args.out.stem}-server-life{soak.life}.log"
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        soak.server_logs.append(str(dst))
+    except OSError as e:
+        print(f"could not keep {src}: {e}", file=sys.stderr)
+
+
 def restart_server(soak: Soak, info: list, workdir: Path, opts, total: int | None) -> dict:
     """SIGKILL the server mid-load and start it again; requests in flight see the connection drop."""
     from specbuild.pipeline import serve
@@ -782,6 +810,7 @@ def restart_server(soak: Soak, info: list, workdir: Path, opts, total: int | Non
     at_s = soak.now()
     kill_server(info[0])
     time.sleep(1.0)                             # requests in flight see the connection drop
+    keep_server_log(soak, workdir)              # the next life's log replaces it
     serve.stop(workdir, timeout=20)             # reap and clear the recorded state
     info[0] = serve.start(workdir, opts)
     restart_s = round(time.monotonic() - t_kill, 1)
@@ -939,9 +968,12 @@ def main(argv=None) -> int:
         report = build_report(soak, args, workdir, one_by_one, faults, abandoned, total, end)
     finally:
         stop_sampling.set()
+        keep_server_log(soak, workdir)
         serve.stop(workdir, timeout=30)
         if tmp is not None:
             tmp.cleanup()
+    report["server_logs"] = soak.server_logs
+    report["server_gone"] = server_gone(report)
     report["gate"] = gate(report, args)
     report["wall_s"] = round(time.monotonic() - t_wall, 1)
     return write_report(report, args)

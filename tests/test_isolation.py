@@ -139,6 +139,42 @@ def test_the_engine_process_dies_and_comes_back(server):
     assert metric(m, "specbuild_requests_total") >= 1
 
 
+def test_a_storm_of_dropped_streams_leaves_the_server_whole(server):
+    """Clients that drop their streams mid-flight, many at once: the watchdog closes each request (its final flag)
+    while the connection's reader may be sending it a piece; the two must never interleave on one response
+    sender (in tritonserver 2.51 a piece that overtakes the final flag uses a freed response factory, and the
+    server dies; the soak saw that under overload). After the storm the server answers right and no slot is
+    held."""
+    c = Client(server.http_url, server.grpc_url, model=contract.SPECULATIVE_MODEL, timeout=WAIT)
+    reference = c.generate(PROMPT, **GEN).text
+    body = {"text_input": PROMPT, "max_tokens": 400, "min_tokens": 400, "stream": True}
+    dropped = []
+
+    def dropper(model):
+        with httpx.Client(timeout=WAIT) as h:
+            for _ in range(12):
+                with h.stream("POST", f"{server.http_url}/v2/models/{model}/generate_stream", json=body) as r:
+                    for i, _line in enumerate(r.iter_lines()):
+                        if i >= 3:
+                            break                       # leave mid-stream: the connection closes here
+                dropped.append(model)
+
+    threads = [threading.Thread(target=dropper, args=(m,), daemon=True)
+               for m in (contract.ENSEMBLE_MODEL, contract.SPECULATIVE_MODEL) * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT * 2)
+    assert len(dropped) == 96
+    assert httpx.get(f"{server.http_url}/v2/health/ready", timeout=10).status_code == 200
+    for model in contract.CLIENT_MODELS:
+        assert Client(server.http_url, server.grpc_url, model=model, timeout=WAIT).generate(PROMPT, **GEN).text \
+            == reference
+    wait_for(lambda: (lambda m: metric(m, "specbuild_live_requests") == 0
+                      and metric(m, "specbuild_slots_free") == 8)(metrics(server)), "every slot free")
+    assert metric(metrics(server), "specbuild_requests_aborted_total") >= 1
+
+
 def test_a_dead_client_model_stub_fails_only_its_own_requests(server):
     c = Client(server.http_url, server.grpc_url, model=contract.SPECULATIVE_MODEL, timeout=WAIT)
     reference = c.generate(PROMPT, **GEN).text

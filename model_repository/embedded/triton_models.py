@@ -65,6 +65,27 @@ def model_params(args: dict) -> tuple[dict, dict]:
     return cfg, {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
 
 
+class _Request:
+    """A request's response sender, used by one thread at a time: the connection's reader sends its pieces while
+    the watchdog may close it (client gone) and the execute thread may fail it. Two threads sending on one
+    sender at once let a piece overtake the final flag inside tritonserver 2.51, which then uses the freed
+    response factory: every send goes through `send` (its own lock; nothing after the final flag)."""
+
+    __slots__ = ("sender", "lock", "closed")
+
+    def __init__(self, sender):
+        self.sender, self.lock, self.closed = sender, threading.Lock(), False
+
+    def send(self, fn, final: bool) -> bool:
+        """Run `fn(sender)` unless the final response was sent already; False if it was."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = final
+            fn(self.sender)
+            return True
+
+
 class ForwardingModel:
     def initialize(self, args):
         # many I/O-bound threads (execute, the connection's reader, the watchdog): hand the GIL over quickly
@@ -74,7 +95,7 @@ class ForwardingModel:
         self.inputs = [i["name"] for i in cfg["input"]]
         self.path = socket_path(Path(args["model_repository"]).parent, os.getppid())
         self.lock = threading.Lock()
-        self.live: dict[str, object] = {}       # key -> response sender, until its final response
+        self.live: dict[str, _Request] = {}      # key -> request, until its final response is on its way
         self.keys = itertools.count(1)
         self.conn = EngineConnection(self.path, self._on_frame, self._on_lost,
                                      connect_timeout=float(self.params.get("connect_timeout_s") or 10.0))
@@ -84,8 +105,8 @@ class ForwardingModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
-            key, registered = str(next(self.keys)), False
+            req = _Request(request.get_response_sender())
+            key = str(next(self.keys))
             try:
                 tensors = {}
                 for name in self.inputs:
@@ -93,39 +114,39 @@ class ForwardingModel:
                     if t is not None:
                         tensors[name] = tensor_to_wire(t.as_numpy())
                 with self.lock:
-                    self.live[key] = sender
-                registered = True
+                    self.live[key] = req
                 self.conn.send({"op": "submit", "key": key, "tensors": tensors})
             except ProtocolError as e:
-                self._fail(key, sender, registered, f"the request is too large to forward: {e}", "invalid")
+                self._close(key, req, error_response(f"the request is too large to forward: {e}", "invalid"))
             except EngineUnavailable as e:
-                self._fail(key, sender, registered, str(e), "unavailable")
+                self._close(key, req, error_response(str(e), "unavailable"))
             except Exception as e:  # noqa: BLE001 - this request only
-                self._fail(key, sender, registered, f"{self.name}: {type(e).__name__}: {e}", "internal")
+                self._close(key, req, error_response(f"{self.name}: {type(e).__name__}: {e}", "internal"))
         return None
 
-    def _fail(self, key, sender, registered, message, kind):
+    def _close(self, key, req: _Request, response=None) -> None:
+        """The final response of `req` (an error, or the bare final flag), unless it has had one."""
         with self.lock:
-            if self.live.pop(key, None) is None and registered:
-                return                               # already answered (the connection was lost meanwhile)
+            self.live.pop(key, None)
         try:
-            sender.send(error_response(message, kind), flags=FINAL)
+            req.send(lambda s: s.send(response, flags=FINAL) if response is not None else s.send(flags=FINAL),
+                     final=True)
         except Exception as e:  # noqa: BLE001
-            pb_utils.Logger.log_warn(f"{self.name}: could not answer request {key}: {e}")
+            pb_utils.Logger.log_warn(f"{self.name}: could not close request {key}: {e}")
 
     def _on_frame(self, msg: dict) -> None:     # the connection's reader thread
         if msg.get("op") != "reply":
             return
-        key = msg.get("key")
+        key, final = msg.get("key"), bool(msg.get("final"))
         with self.lock:
-            sender = self.live.pop(key, None) if msg.get("final") else self.live.get(key)
-        if sender is None:
+            req = self.live.pop(key, None) if final else self.live.get(key)
+        if req is None:
             return                                   # cancelled by its client: its final flag is already sent
         try:
-            send_reply(sender, msg)
+            req.send(lambda s: send_reply(s, msg), final=final)
         except Exception as e:  # noqa: BLE001 - a broken client is its own request's problem
             pb_utils.Logger.log_warn(f"{self.name}: sending to request {key} failed ({e}); cancelling it")
-            if not msg.get("final"):
+            if not final:
                 self._abandon([key])
 
     def _on_lost(self, reason: str) -> None:
@@ -134,20 +155,17 @@ class ForwardingModel:
         if lost:
             pb_utils.Logger.log_error(f"{self.name}: lost the engine process ({reason}); failing {len(lost)} "
                                       "request(s) in flight")
-        for key, sender in lost.items():
-            try:
-                sender.send(error_response(f"the engine process went away mid-request ({reason}); retry.",
-                                           "unavailable"), flags=FINAL)
-            except Exception:  # noqa: BLE001
-                pass
+        for key, req in lost.items():
+            self._close(key, req, error_response(f"the engine process went away mid-request ({reason}); retry.",
+                                                 "unavailable"))
 
     def _watch(self) -> None:
         while not self.stop_event.wait(0.1):
             cancelled = []
-            with self.lock:
-                for key, sender in list(self.live.items()):
+            with self.lock:                          # a request leaves `live` under this lock before its final
+                for key, req in list(self.live.items()):
                     try:
-                        if sender.is_cancelled():
+                        if req.sender.is_cancelled():
                             cancelled.append(key)
                     except Exception as e:  # noqa: BLE001
                         pb_utils.Logger.log_warn(f"{self.name}: cancellation check of {key} failed: {e}")
@@ -157,12 +175,9 @@ class ForwardingModel:
     def _abandon(self, keys) -> None:
         """The clients of `keys` are gone: close their responses and cancel them in the engine."""
         with self.lock:
-            senders = [(k, self.live.pop(k)) for k in keys if k in self.live]
-        for key, sender in senders:
-            try:
-                sender.send(flags=FINAL)             # a cancelled request still needs its final flag
-            except Exception:  # noqa: BLE001
-                pass
+            reqs = [(k, self.live.pop(k)) for k in keys if k in self.live]
+        for key, req in reqs:
+            self._close(key, req)                    # a cancelled request still needs its final flag
             try:
                 self.conn.send({"op": "cancel", "key": key})
             except EngineUnavailable:
