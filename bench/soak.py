@@ -15,7 +15,7 @@ status (`hostile_by_case`). A 500 whose message is one of tritonserver's own JSO
 its HTTP frontend before any model code runs; docs/serving.md "HTTP 500s that tritonserver answers itself")
 is `upstream_500`; any other 5xx, a stream that fails after its 200, or a dropped connection is ours.
 
-Every --sample-interval s: RSS and threads of the engine's process (the engine process; and tritonserver), the
+Every --sample-interval s: RSS and threads of the engine process (and of tritonserver), the
 engine's slots / live requests (Triton metrics) and the requests the soak has in flight; `live - in
 flight` is a lower bound on the requests still held by clients that gave up. After the load the soak
 waits (bounded by --drain-timeout) until no request is live and every slot is free.
@@ -43,8 +43,8 @@ import argparse
 import json
 import os
 import random
-import shutil
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -228,7 +228,7 @@ def _child(parent: int, marker: bytes) -> int | None:
     return None
 
 
-def engine_stub(server_pid: int, wait_s: float = 30.0) -> int | None:
+def engine_process(server_pid: int, wait_s: float = 30.0) -> int | None:
     """The process that holds the engine: the engine process (`specbuild.engines.embedded.service`, a child of
     model tensorrt_llm's stub; a new one after the stub restarted it), else the stub itself (older deployments)."""
     deadline = time.monotonic() + wait_s
@@ -618,7 +618,7 @@ class Soak:
     def new_life(self) -> None:
         self.life += 1
         self.life_t0 = time.monotonic()
-        self.stub = engine_stub(self.info[0].pid)
+        self.stub = engine_process(self.info[0].pid)
 
 
 class _Refused(Exception):
@@ -950,7 +950,7 @@ def main(argv=None) -> int:
         one_by_one = soak.hostile_one_by_one()
         total = slots_total(workdir)
         soak.t_start = soak.life_t0 = time.monotonic()
-        soak.stub = engine_stub(info[0].pid)
+        soak.stub = engine_process(info[0].pid)
         threading.Thread(target=soak.sampler, args=(stop_sampling,), daemon=True).start()
         soak.sample()
         threading.Thread(target=soak.warmup_burst, args=(total,), daemon=True).start()

@@ -181,3 +181,16 @@ def test_no_engine_is_a_clear_unavailable(tmp_path):
     conn = EngineConnection(str(tmp_path / "none.sock"), lambda m: None, lambda r: None, connect_timeout=0.2)
     with pytest.raises(EngineUnavailable, match="not running"):
         conn.send({"op": "cancel", "key": "1"})
+
+
+def test_a_malformed_request_is_refused_alone(service):
+    svc, eng = service
+    c = Client(svc.path)
+    c.done["bad"] = threading.Event()
+    c.conn.send({"op": "submit", "key": "bad", "tensors": {"text_input": {"dtype": "no-such-type", "shape": [1],
+                                                                         "data": [1]}}})
+    assert c.done["bad"].wait(WAIT)
+    assert c.replies["bad"][-1]["kind"] == "invalid" and "malformed tensor" in c.replies["bad"][-1]["error"]
+    c.submit("ok", text_input=PROMPTS[0], max_tokens=8, min_tokens=8)     # the same connection serves on
+    assert c.text("ok") == PROMPTS[0] + reference(eng, PROMPTS[0], 8)
+    assert not c.lost.is_set()

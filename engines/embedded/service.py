@@ -71,10 +71,8 @@ class _Connection:
         with self._cv:
             if self.closed:
                 return
-            if len(self._out) >= self.service.options.max_pending:
-                overflow = True
-            else:
-                overflow = False
+            overflow = len(self._out) >= self.service.options.max_pending
+            if not overflow:
                 self._out.append(frame)
                 self._cv.notify()
         if overflow:
@@ -133,10 +131,10 @@ class _Connection:
         try:
             while not self.closed:
                 self.service.dispatch(self, recv(self.sock))
+        except ProtocolError as e:              # before OSError: it is a ConnectionError
+            self.close(f"protocol error: {e}")
         except (EOFError, OSError) as e:
             self.close("" if isinstance(e, EOFError) or self.closed else f"read failed ({e})")
-        except ProtocolError as e:
-            self.close(f"protocol error: {e}")
 
 
 class EngineService:
@@ -233,7 +231,13 @@ class EngineService:
             raise ProtocolError(f"unknown op {op!r}")
 
     def _submit(self, conn: _Connection, key: str, wire_tensors: dict) -> None:
-        tensors = {name: tensor_from_wire(t) for name, t in wire_tensors.items()}
+        try:
+            tensors = {name: tensor_from_wire(t) for name, t in wire_tensors.items()}
+        except ProtocolError as e:              # this request's, not the connection's: refuse it alone
+            from specbuild.engines.embedded.frontend import Reply
+
+            conn.push(reply_to_wire(key, Reply(final=True, error=str(e), kind="invalid")))
+            return
         engine_key = f"{conn.cid}/{key}"
 
         def send(reply, key=key, engine_key=engine_key):

@@ -2,7 +2,7 @@
 and the supervisor that starts it and starts it again when it dies.
 
     path = socket_path(model_repository, os.getppid())      # the same for every model of one tritonserver
-    proc = EngineProcess(argv_for(engine_dir, path, params), path); proc.start(timeout=600); proc.watch(...)
+    proc = EngineProcess(argv_for(engine_dir, path, params), path, start_timeout=600); proc.start(); proc.watch()
     conn = EngineConnection(path, on_frame=..., on_lost=...)
     conn.send({"op": "submit", "key": "7", "tensors": {...}})
 
@@ -12,6 +12,7 @@ See `service.py` for the protocol and why the engine runs in a process of its ow
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -55,8 +56,6 @@ def python_executable() -> str:
 
 
 def argv_for(engine_dir: str, path: str, params: dict) -> list[str]:
-    import json
-
     return [python_executable(), "-m", "specbuild.engines.embedded.service", "--engine-dir", engine_dir,
             "--socket", path, "--params", json.dumps(params), "--parent-pid", str(os.getpid())]
 
@@ -77,10 +76,6 @@ class EngineConnection:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()          # connect / send
         self._closed = False
-
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None
 
     def open(self) -> None:
         """Connect now (instead of at the first send); EngineUnavailable if the engine does not answer."""
@@ -110,17 +105,10 @@ class EngineConnection:
             raise EngineUnavailable("the model is shutting down")
         deadline = time.monotonic() + self.connect_timeout
         while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.settimeout(max(1.0, self.connect_timeout))
-                sock.connect(self.path)
-                sock.sendall(encode({"op": "hello", "role": self.role}))
-                ready = recv(sock)
-                if ready.get("op") != "ready":
-                    raise ConnectionError(f"unexpected answer {ready.get('op')!r}")
+                sock, ready = _hello(self.path, self.role, timeout=max(1.0, self.connect_timeout))
                 break
             except (OSError, EOFError) as e:
-                sock.close()
                 if time.monotonic() >= deadline:
                     raise EngineUnavailable(f"the engine process is not running ({self.path}: {e}); it may be "
                                             "starting or restarting; retry shortly.") from None
@@ -165,18 +153,19 @@ class EngineProcess:
     """Start the engine process, wait until it serves, and start it again when it dies (a non-zero exit or a
     signal; exit 0 is a requested stop) until `stop`."""
 
-    def __init__(self, argv: list[str], path: str, *, env: dict | None = None,
+    def __init__(self, argv: list[str], path: str, *, start_timeout: float,
                  on_restart: Callable[[], None] | None = None):
-        self.argv, self.path, self.env, self.on_restart = argv, path, env, on_restart
+        self.argv, self.path, self.start_timeout, self.on_restart = argv, path, start_timeout, on_restart
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = threading.Event()
 
-    def start(self, timeout: float) -> None:
-        """Start the process and return once its socket answers; raise RuntimeError if it exits first."""
+    def start(self) -> None:
+        """Start the process and return once its socket answers (within `start_timeout` s); raise RuntimeError
+        if it exits first or does not answer in time."""
         log.info("starting the engine process: %s", " ".join(self.argv[:6]))
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=sys.stderr, stderr=sys.stderr)
-        deadline = time.monotonic() + timeout
+        self.proc = subprocess.Popen(self.argv, stdout=sys.stderr, stderr=sys.stderr)
+        deadline = time.monotonic() + self.start_timeout
         while True:
             code = self.proc.poll()
             if code is not None:
@@ -186,7 +175,8 @@ class EngineProcess:
                 return
             if time.monotonic() > deadline:
                 self.proc.kill()
-                raise RuntimeError(f"the engine process did not serve within {timeout:.0f} s.")
+                self.proc.wait()
+                raise RuntimeError(f"the engine process did not serve within {self.start_timeout:.0f} s.")
             time.sleep(0.1)
 
     def watch(self) -> None:
@@ -208,7 +198,7 @@ class EngineProcess:
                 return
             started = time.monotonic()
             try:
-                self.start(timeout=600.0)
+                self.start()
             except RuntimeError as e:
                 log.error("restarting the engine failed: %s", e)
                 backoff = min(backoff * 2, 30.0)
@@ -229,14 +219,27 @@ class EngineProcess:
             self.proc.wait(5)
 
 
-def _answers(path: str) -> bool:
+def _hello(path: str, role: str, timeout: float) -> tuple[socket.socket, dict]:
+    """Connect and introduce ourselves; the socket and the engine's "ready" (OSError / EOFError if it does not
+    answer that way)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(2.0)
     try:
+        sock.settimeout(timeout)
         sock.connect(path)
-        sock.sendall(encode({"op": "hello", "role": "probe"}))
-        return recv(sock).get("op") == "ready"
+        sock.sendall(encode({"op": "hello", "role": role}))
+        ready = recv(sock)
+        if ready.get("op") != "ready":
+            raise ConnectionError(f"unexpected answer {ready.get('op')!r}")
+        return sock, ready
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _answers(path: str) -> bool:
+    try:
+        sock, _ = _hello(path, "probe", timeout=2.0)
     except (OSError, EOFError):
         return False
-    finally:
-        sock.close()
+    sock.close()
+    return True

@@ -18,6 +18,7 @@ finished request's sender crashes tritonserver 2.51): a request leaves `live` un
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -240,21 +241,22 @@ PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos",
 
 class EngineModel(ForwardingModel):
     def initialize(self, args):
-        cfg, params = model_params(args)
+        _, params = model_params(args)
         path = socket_path(Path(args["model_repository"]).parent, os.getppid())
         self.process = EngineProcess(argv_for(params["engine_dir"], path, params), path,
+                                     start_timeout=float(params.get("engine_start_timeout_s") or 1800.0),
                                      on_restart=self._on_engine_restart)
-        self.process.start(timeout=float(params.get("engine_start_timeout_s") or 1800.0))
+        self.process.start()
         self._init_metrics()
         self.metrics_conn = EngineConnection(path, self._on_metrics_frame, self._on_metrics_lost, role="metrics")
         self.metrics_conn.open()                                     # connect now: pushes start at once
-        self.metrics_engine = self.metrics_conn.engine_id
         super().initialize(args)
         self.process.watch()
         pb_utils.Logger.log_info(f"specbuild: engine process pid {self.process.proc.pid} serving on {path}")
 
     def _init_metrics(self):
         self.families, self.metrics, self.seen, self.per_pos = {}, {}, {}, []
+        self.metrics_engine = None                 # the engine whose totals `seen` holds
         for _, name, kind, doc in METRICS:
             fam = pb_utils.MetricFamily(name=name, description=doc,
                                         kind=getattr(pb_utils.MetricFamily, kind.upper()))
@@ -280,6 +282,11 @@ class EngineModel(ForwardingModel):
         with self.metrics_lock:
             if not self.metrics:
                 return                                   # finalized
+            engine = self.metrics_conn.engine_id
+            if engine != self.metrics_engine:
+                # a new engine (restarted) counts from 0 again: forget its predecessor's totals, not our restarts
+                self.seen = {k: v for k, v in self.seen.items() if k == "specbuild_engine_restarts_total"}
+                self.metrics_engine = engine
             drafted = m.get("draft_tokens_total", 0)
             m["acceptance_rate"] = m.get("accepted_tokens_total", 0) / drafted if drafted else 0.0
             m["engine_restarts"] = self.process.restarts
@@ -306,14 +313,9 @@ class EngineModel(ForwardingModel):
         while not self.stop_event.wait(0.5):
             try:
                 self.metrics_conn.open()
+                return
             except EngineUnavailable:
                 continue
-            with self.metrics_lock:
-                if self.metrics_conn.engine_id != self.metrics_engine:
-                    # a new engine counts from 0 again; keep "restarts" (ours), forget the rest
-                    self.seen = {k: v for k, v in self.seen.items() if k == "specbuild_engine_restarts_total"}
-                    self.metrics_engine = self.metrics_conn.engine_id
-            return
 
     def _on_engine_restart(self) -> None:
         pb_utils.Logger.log_warn(f"specbuild: the engine process was started again (pid {self.process.proc.pid}, "
@@ -335,7 +337,5 @@ class EngineModel(ForwardingModel):
                 self.per_pos.clear()
                 self.families.clear()
                 self.per_pos_family = None
-            import gc
-
             gc.collect()
             pb_utils.Logger.log_info("specbuild engine stopped")
