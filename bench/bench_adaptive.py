@@ -38,7 +38,7 @@ from specbuild.engines.embedded.adaptive import cost_models
 from specbuild.engines.embedded.config import ADAPTIVE, ADAPTIVE_K
 from specbuild.engines.embedded.calibrate import forward_probe, time_interleaved
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
-from specbuild.pipeline.sources import cache_dir
+from specbuild.core.paths import cache_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import engine_dir  # noqa: E402  (the same build recipe and workspace)

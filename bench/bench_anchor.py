@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import KINDS, engine_dir, log, prompts  # noqa: E402  (the same build recipe and prompts)
 
 from specbuild.engines.embedded import Engine, EngineConfig, SamplingParams  # noqa: E402
-from specbuild.pipeline.sources import cache_dir  # noqa: E402
+from specbuild.core.paths import cache_dir  # noqa: E402
 
 LLAMACPP = "llama.cpp-11434"
 _DECODED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds")

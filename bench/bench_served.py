@@ -37,7 +37,7 @@ from bench_engine import engine_dir, log  # noqa: E402  (the same build recipe a
 
 from specbuild.engines.embedded import Engine, SamplingParams  # noqa: E402
 from specbuild.loadtests.promptsets import chat_prompts  # noqa: E402
-from specbuild.pipeline.sources import cache_dir  # noqa: E402
+from specbuild.core.paths import cache_dir  # noqa: E402
 
 MODES = ("off", "default", "forced")
 CHAT_USERS = (1, 2, 4)

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import httpx
 
-from specbuild.pipeline import wire
+from specbuild.core import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def fibonacci(n):", "Triton Inference Server",
@@ -144,7 +144,7 @@ def hostile_body(case: str, prompt: str, max_tokens: int, stream: bool) -> bytes
 
 def classify(status: int, text: str, stream: bool) -> tuple[str, str]:
     """(label, the server's message) of one answer: `status_label` of it, the error read by
-    `specbuild.pipeline.wire` (an error body, or the first error event of a 200 stream)."""
+    `specbuild.core.wire` (an error body, or the first error event of a 200 stream)."""
     if status != 200:
         message = wire.error_message(text)
         return status_label(status, message), message
@@ -267,7 +267,7 @@ METRIC_KEYS = {"slots_free": "specbuild_slots_free", "live": "specbuild_live_req
 
 def metrics(url: str, timeout: float = 5.0) -> dict:
     """The engine's gauges and counters (names from model_repository/embedded/tensorrt_llm/1/model.py)."""
-    from specbuild.pipeline.metrics import parse_prometheus
+    from specbuild.core.metrics import parse_prometheus
 
     try:
         m = parse_prometheus(httpx.get(url, timeout=timeout).text)

@@ -7,7 +7,7 @@ import click
 from specbuild.cli.options import (backend_option, dry_run_option, force_option, rehearse_option,
                                    trtllm_generation_option, workdir_option)
 from specbuild.pipeline.deploy import deploy
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 # --flag -> (option key of engines/trtllm/settings.py, click type, help)
 TRTLLM_OPTIONS = {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specbuild.pipeline import contract
+from specbuild.core import contract
 from specbuild.cli.options import workdir_option
 from specbuild.pipeline.client import DEFAULT_GRPC, DEFAULT_HTTP
 

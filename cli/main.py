@@ -14,7 +14,7 @@ import click
 
 from specbuild import __version__
 from specbuild.pipeline.config import default_map, find_config, load_config
-from specbuild.pipeline.errors import SpecbuildError
+from specbuild.core.errors import SpecbuildError
 
 # command name -> module in specbuild.cli exposing a click.Command named `command`
 COMMANDS: dict[str, str] = {

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from specbuild.pipeline import contract
+from specbuild.core import contract
 from specbuild.cli.options import workdir_option
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 
 def _endpoint(workdir: Path, url: str | None) -> str:

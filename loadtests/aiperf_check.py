@@ -52,7 +52,7 @@ def _children_cpu() -> float:
 def _server_counters(url: str) -> dict[str, float]:
     import httpx
 
-    from specbuild.pipeline.metrics import parse_prometheus
+    from specbuild.core.metrics import parse_prometheus
 
     return parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
 

@@ -1,5 +1,5 @@
 """The transports of the Locust users, one connection per simulated user; what goes over the wire (request
-bodies, gRPC datatypes, SSE events, perf metrics, error messages) is `specbuild.pipeline.wire`'s.
+bodies, gRPC datatypes, SSE events, perf metrics, error messages) is `specbuild.core.wire`'s.
 
 - `HttpClient`: geventhttpclient, for Triton's KServe generate extension (`/v2/models/<m>/generate`,
   `/generate_stream`) and OpenAI-compatible servers (`/v1/completions`, `/v1/chat/completions`), streaming
@@ -21,7 +21,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from specbuild.pipeline import wire
+from specbuild.core import wire
 
 
 class RequestFailed(Exception):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 FORMATS = ("auto", "jsonl", "sharegpt")
 MAX_RECORDS = 1000

@@ -1,7 +1,7 @@
 """A minimal independent client (asyncio + httpx) that measures the same kind of requests as the Locust
 user, to check the harness: same prompts, payload, concurrency, think time and duration; TTFT = first
 non-empty streamed piece, e2e = end of the stream (or of the /generate body). Same wire format
-(`specbuild.pipeline.wire`: KServe or OpenAI), another transport and event loop.
+(`specbuild.core.wire`: KServe or OpenAI), another transport and event loop.
 
     python -m specbuild.loadtests.independent_client RUNSPEC.json --users 4 --duration 10
 """
@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from specbuild.loadtests.runspec import RunSpec
-from specbuild.pipeline import wire
+from specbuild.core import wire
 
 
 async def _one(client: httpx.AsyncClient, spec: RunSpec, prompt: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 PROMPT_SETS = ("chat", "code", "summarize")

@@ -14,7 +14,7 @@ import inspect
 import random
 from pathlib import Path
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 PROMPT_DIR = Path(__file__).parent / "prompts"
 # Pure-Python stdlib modules whose function sources make realistic completion prompts.

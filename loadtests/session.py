@@ -10,71 +10,16 @@ release's (`client.adapt_request`), an OpenAI-compatible server OpenAI's (`wire.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from specbuild.pipeline import contract, wire
-from specbuild.pipeline.client import deployment_target
-from specbuild.pipeline.errors import UsageError
+from specbuild.core import contract, wire
+from specbuild.core.errors import UsageError
 
 OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "seed", "return_perf_metrics",
                    "exclude_input_in_output", "min_tokens")   # dropped from requests if the model lacks them
-
-
-def resolve_tokenizer(explicit: str | None, workdir: Path) -> Path:
-    """--tokenizer, else the deployment's tokenizer found through the workspace manifests."""
-    if explicit:
-        return Path(explicit)
-    tried = []
-    candidates = []
-    manifest = workdir / "model_repository" / "manifest.json"
-    if manifest.is_file():
-        data = json.loads(manifest.read_text())
-        engine_dir = data.get("inputs", {}).get("engine_dir")
-        if engine_dir:
-            candidates.append(Path(engine_dir) / "tokenizer")
-    candidates += [workdir / "engines" / "tokenizer", workdir / "checkpoints" / "target"]
-    candidates += _converted_targets(workdir / "checkpoints" / "manifest.json")
-    for c in candidates:
-        tried.append(str(c))
-        if (c / "tokenizer.json").is_file():
-            return c
-    raise UsageError(f"cannot find the target's tokenizer (tried {tried}); pass --tokenizer DIR (the target "
-                     "model directory holding tokenizer.json) or the --workdir of the deployment.")
-
-
-def _converted_targets(manifest: Path) -> list[Path]:
-    """Where convert kept or found the target: the Hugging Face copy a TensorRT-LLM rehearsal keeps
-    (checkpoints/hf/target), then the target's own directory (the llmapi path serves it as given)."""
-    try:
-        data = json.loads(manifest.read_text())
-    except (OSError, ValueError):
-        return []
-    out = []
-    kept = ((data.get("outputs") or {}).get("hf_checkpoints") or {}).get("target")
-    if isinstance(kept, str):
-        out.append(manifest.parent / kept)
-    source = ((data.get("inputs") or {}).get("target") or {}).get("path")
-    if isinstance(source, str):
-        out.append(Path(source))
-    return out
-
-
-def deployment_max_seq_len(workdir: Path) -> int | None:
-    """The engine's max_seq_len (prompt + output tokens) when the workspace holds a built engine."""
-    for path, keys in ((workdir / "engines" / "engine_config.json", ("max_seq_len",)),
-                       (workdir / "engines" / "manifest.json", ("options", "max_seq_len"))):
-        try:
-            value: Any = json.loads(path.read_text())
-            for k in keys:
-                value = value[k]
-            return int(value)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return None
 
 
 def input_budget(profile, max_seq_len: int | None, margin: int = 8) -> int:
@@ -163,7 +108,7 @@ class Session:
         body = {**_payload(profile, {}, self.dropped), **fields}
         if self.target == "embedded" or self.api != wire.KSERVE:
             return body
-        from specbuild.pipeline.client import RequestError, adapt_request
+        from specbuild.core.requests import RequestError, adapt_request
 
         # seed/min_tokens exist under other names on the engine path; the llmapi path's dropped list is in
         # contract names already (served_names)
@@ -217,20 +162,21 @@ def _fit(counter, text: str, out: int, cap: int | None, max_seq_len: int | None,
     return counter.truncate(text, max(1, max_seq_len - out - margin)), out
 
 
-def open_session(*, url: str, model: str | None, tokenizer: str | None, workdir: Path, inputs: list[str] = (),
+def open_session(*, url: str, model: str | None, tokenizer_dir: Path, deployed: str = "embedded",
+                 max_seq_len: int | None = None, inputs: list[str] = (),
                  protocol: str = "http", grpc_url: str | None = None, metrics_url: str | None = None,
                  gates=None, workers: int = 0, stop_timeout: float = 5.0, seed: int = 0,
                  progress_bar: bool = False, api: str = wire.KSERVE, records: list | None = None,
                  lengths: str = "profile") -> Session:
-    """Resolve the tokenizer, check the server is up, `model` exists and declares `inputs` (KServe), or that
-    an OpenAI-compatible server serves `model` (default: its first)."""
+    """Check the server is up, `model` exists and declares `inputs` (KServe), or that an OpenAI-compatible server
+    serves `model` (default: its first). What is deployed (`deployed`: `pipeline.deployment`'s target, the
+    tokenizer, the engine's `max_seq_len`) is handed in: the load side only measures."""
     from specbuild.loadtests import target
     from specbuild.loadtests.runspec import Gates
     from specbuild.loadtests.tokens import TokenCounter
 
-    counter = TokenCounter(resolve_tokenizer(tokenizer, Path(workdir)))
+    counter = TokenCounter(Path(tokenizer_dir))
     grpc_url = grpc_url or _with_port(url, 8001)
-    deployed = deployment_target(Path(workdir))
     if api == wire.KSERVE and deployed == contract.LLMAPI_TARGET:
         model = contract.LLMAPI_MODEL          # the llmapi path has one client model
     metrics_url = default_metrics_url(url, api) if metrics_url is None else metrics_url
@@ -246,7 +192,7 @@ def open_session(*, url: str, model: str | None, tokenizer: str | None, workdir:
     return Session(url=url, grpc_url=grpc_url, metrics_url=metrics_url, model=info.name, protocol=protocol,
                    counter=counter, info=info, dropped=dropped,
                    gates=gates or Gates(), workers=workers,
-                   max_seq_len=deployment_max_seq_len(Path(workdir)) if api == wire.KSERVE else None,
+                   max_seq_len=max_seq_len if api == wire.KSERVE else None,
                    stop_timeout=stop_timeout, seed=seed, progress_bar=progress_bar,
                    target=deployed, api=api, records=records, lengths=lengths)
 

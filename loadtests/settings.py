@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 
 def parse_compare(text: str | None) -> tuple[str | None, list[Any]]:

@@ -30,7 +30,7 @@ def is_connection_error(exc: BaseException) -> bool:
 
     if isinstance(exc, (ConnectionError, HTTPConnectionClosed)):
         return True
-    from specbuild.pipeline.wire import is_connection_error_text
+    from specbuild.core.wire import is_connection_error_text
 
     return is_connection_error_text(str(exc))
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 SWEEP_PARAMS = ("users", "request_rate")
 ENDPOINT_FIELDS = ("url", "grpc_url", "metrics_url")   # in a --setting: where that setting's runs go

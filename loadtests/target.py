@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 
-from specbuild.pipeline import wire
-from specbuild.pipeline.errors import ServerError, UsageError
-from specbuild.pipeline.metrics import metric_sum, parse_prometheus
+from specbuild.core import wire
+from specbuild.core.errors import ServerError, UsageError
+from specbuild.core.metrics import metric_sum, parse_prometheus
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 
 class TokenCounter:

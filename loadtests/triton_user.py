@@ -21,7 +21,7 @@ a tight loop), and after `spec.max_connection_errors` of them in a row in one pr
 between, the run is ended as "server gone" (`stopping.report_server_gone`).
 
 Transports: `loadtests/clients.py`; the wire format (bodies, datatypes, SSE, perf metrics, errors):
-`specbuild.pipeline.wire`.
+`specbuild.core.wire`.
 """
 
 from __future__ import annotations

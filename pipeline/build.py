@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 from specbuild.pipeline.stage import BACKENDS, PlanStep, run_stage
-from specbuild.pipeline.constants import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS  # noqa: F401 (the CLI imports them here)
+from specbuild.core.constants import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS  # noqa: F401 (the CLI imports them here)
 
 MAX_DRAFT_LEN_LIMIT = 32
 

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specbuild.pipeline.sources import PICKLE_SUFFIXES, model_files
-from specbuild.pipeline.constants import EMBEDDED_ARCHITECTURES
+from specbuild.core.paths import PICKLE_SUFFIXES, model_files
+from specbuild.core.constants import EMBEDDED_ARCHITECTURES
 
 EMBEDDED_ROPE_TYPES = ("default", "linear", "llama3")
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))

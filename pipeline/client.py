@@ -1,6 +1,6 @@
 """The one client of a specbuild deployment (used by `infer`, `verify` and the load-test checks).
 
-Speaks the client contract (`specbuild.pipeline.contract`) over Triton's KServe v2 API, to either backend:
+Speaks the client contract (`specbuild.core.contract`) over Triton's KServe v2 API, to either backend:
 
 * `generate(...)`          HTTP `POST /v2/models/<m>/generate` (one response; stream=false)
 * `generate_stream(...)`   HTTP `POST /v2/models/<m>/generate_stream` (SSE; stream=true)
@@ -9,51 +9,24 @@ Speaks the client contract (`specbuild.pipeline.contract`) over Triton's KServe 
 Each returns a `Generation`: the text, the streamed pieces with their arrival times (seconds since
 the request was sent), and the perf metrics when `return_perf_metrics` was asked for. Server-side
 refusals raise `RequestError` carrying Triton's message. What goes over the wire (bodies, gRPC datatypes,
-SSE events, perf metrics, error messages) is `specbuild.pipeline.wire`'s, shared with every other client.
+SSE events, perf metrics, error messages) is `specbuild.core.wire`'s, shared with every other client.
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from specbuild.pipeline import contract, wire
-from specbuild.pipeline.errors import ServerError
+from specbuild.core import contract, wire
+from specbuild.core.errors import ServerError  # noqa: F401
+from specbuild.core.requests import (EMBEDDED, RequestError, adapt_request, client_model,  # noqa: F401
+                                     request_body)
+from specbuild.pipeline.deployment import deployment_target  # noqa: F401
 
 DEFAULT_HTTP = "http://127.0.0.1:8000"
 DEFAULT_GRPC = "127.0.0.1:8001"
-
-
-class RequestError(ServerError):
-    """The server refused or failed one request; `str(e)` holds Triton's message."""
-
-
-EMBEDDED = "embedded"
-
-
-def deployment_target(workdir) -> str:
-    """What the deployment in `workdir` serves, read from the deploy manifest: "trtllm-<family>" (the release
-    family of its engine-path templates, e.g. "trtllm-0.18"), "trtllm-llmapi" (Triton's LLM-API model of
-    TensorRT-LLM 1.0-1.2.x), else "embedded" (the contract as is)."""
-    from pathlib import Path
-
-    path = Path(workdir) / "model_repository" / "manifest.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return EMBEDDED
-    if data.get("options", {}).get("backend") != "trtllm":
-        return EMBEDDED
-    recipe = (data.get("extra") or {}).get("recipe") or {}
-    if recipe.get("generation") == "llmapi":
-        return contract.LLMAPI_TARGET           # Triton's llmapi model: its own sampling_param_* names
-    family = recipe.get("backend_family")
-    # A deployment from before the version table recorded no family: the contract is sent as is, rather than
-    # guessing a release.
-    return f"trtllm-{family}" if family else EMBEDDED
 
 
 def prompt_echo(tokenizer_dir) -> Callable[[str], str]:
@@ -71,64 +44,6 @@ def client_for(workdir, url: str, grpc_url: str = DEFAULT_GRPC, *, model: str, t
     target = deployment_target(workdir)
     echo = prompt_echo(tokenizer_dir) if target != EMBEDDED and tokenizer_dir else None
     return Client(url=url, grpc_url=grpc_url, model=model, timeout=timeout, target=target, echo=echo)
-
-
-def adapt_request(target: str, model: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The contract request `body` as the deployment `target` takes it; returns (body, prompt_echoed).
-
-    Embedded: unchanged. A TensorRT-LLM deployment serves upstream's own ensemble / tensorrt_llm_bls of its
-    release (`contract.request_problems` has the table): `seed`/`min_tokens` are sent as `random_seed`/
-    `min_length`; `return_perf_metrics` is left out where the release has no perf-metric outputs (v0.18);
-    `proposer` (embedded-only) is left out; on the BLS speculative path (num_draft_tokens > 0) the request
-    goes with stream=false and exclude_input_in_output=false (upstream's loop needs both), so text_output
-    echoes the prompt and `prompt_echoed` is True. Streaming with speculation is refused with the reason.
-    """
-    if target == contract.LLMAPI_TARGET:
-        return _llmapi_body(body), False
-    family = contract.trtllm_family(target)
-    if family is None:
-        return body, False
-    names = contract.trtllm_input_names(family, model)
-    out: dict[str, Any] = {}
-    for key, value in body.items():
-        name = contract.contract_name_for(family, model, key)
-        if name is not None:
-            out[name] = value
-        elif key in ("return_perf_metrics", "proposer"):
-            continue                      # no such output in this release / embedded-only choice
-        else:
-            raise RequestError(f"{model} of tensorrtllm_backend {family} has no input {key!r}; leave it out "
-                               f"(inputs of this release: {', '.join(sorted(names))}).")
-    echoed = False
-    if model == contract.SPECULATIVE_MODEL and int(out.get("num_draft_tokens") or 0) > 0:
-        if out.get("stream"):
-            raise RequestError(f"{model} of tensorrtllm_backend {family} cannot stream with speculation "
-                               "(num_draft_tokens > 0): upstream's BLS drives the draft and target models "
-                               "non-decoupled. Use stream=false, or num_draft_tokens=0 for streaming.")
-        out["stream"] = False
-        out["exclude_input_in_output"] = False
-        echoed = True
-    problems = contract.request_problems(target, model, out)
-    if problems:
-        raise RequestError("; ".join(problems))
-    return out, echoed
-
-
-def _llmapi_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The contract request in the llmapi model's names (`contract.llmapi_request`). Its speculation is fixed by
-    model.yaml's speculative_config, so a request's num_draft_tokens is refused with the reason (0 included: it
-    would not switch speculation off)."""
-    try:
-        return contract.llmapi_request(body)
-    except ValueError as e:
-        raise RequestError(f"{e}. To compare speculation on and off, serve the target a second time without "
-                           "speculative_config and give that server to `verify --reference-url` (or as a "
-                           "load-test setting's url=).") from None
-
-
-def client_model(target: str, model: str) -> str:
-    """The Triton model a client talks to: the llmapi path has one (`tensorrt_llm`) for every contract model."""
-    return contract.LLMAPI_MODEL if target == contract.LLMAPI_TARGET else model
 
 
 @dataclass
@@ -153,23 +68,6 @@ class Generation:
             self.text += event.text
         for k, v in event.perf.items():   # cumulative per request: the last value wins
             setattr(self, k, v if k == "acceptance_rate" else int(v))
-
-
-def request_body(prompt: str, *, max_tokens: int = 64, stream: bool = False, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 end_id: int | None = None, stop_words: list[str] | None = None, min_tokens: int | None = None,
-                 num_draft_tokens: int | None = None, return_perf_metrics: bool = False,
-                 exclude_input_in_output: bool = True, proposer: str | None = None) -> dict[str, Any]:
-    """The contract tensors as a name -> value dict (None values are left out).
-
-    `proposer` ("draft" | "ngram") is an embedded-deployment extension, not part of the contract.
-    """
-    body = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream, "temperature": temperature,
-            "top_k": top_k, "top_p": top_p, "seed": seed, "end_id": end_id, "stop_words": stop_words,
-            "min_tokens": min_tokens, "num_draft_tokens": num_draft_tokens,
-            "return_perf_metrics": return_perf_metrics or None,
-            "exclude_input_in_output": exclude_input_in_output, "proposer": proposer}
-    return {k: v for k, v in body.items() if v is not None}
 
 
 class Client:
@@ -307,21 +205,21 @@ class Client:
 
 def grpc_inputs(body: dict[str, Any], *, target: str = EMBEDDED, model: str | None = None) -> list:
     """tritonclient.grpc InferInputs with the datatypes the deployment declares and a batch dimension of 1
-    (`specbuild.pipeline.wire`)."""
+    (`specbuild.core.wire`)."""
     # The llmapi model declares max_batch_size 0 (model.yaml's triton_config): its tensors have no batch dimension.
     return wire.grpc_inputs(body, wire.datatypes(body, target=target, model=model),
                             batch_dim=target != contract.LLMAPI_TARGET)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}: `specbuild.pipeline.metrics.parse_prometheus`."""
-    from specbuild.pipeline.metrics import parse_prometheus
+    """Prometheus text -> {'name{labels}': value}: `specbuild.core.metrics.parse_prometheus`."""
+    from specbuild.core.metrics import parse_prometheus
 
     return parse_prometheus(text)
 
 
 def metric(metrics: dict[str, float], name: str) -> float:
-    """Sum of every series of `name` (any labels); 0.0 if absent: `specbuild.pipeline.metrics.metric_sum`."""
-    from specbuild.pipeline.metrics import metric_sum
+    """Sum of every series of `name` (any labels); 0.0 if absent: `specbuild.core.metrics.metric_sum`."""
+    from specbuild.core.metrics import metric_sum
 
     return metric_sum(metrics, name)

@@ -22,7 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 CONFIG_FILE = "specbuild.toml"
 DEFAULT_WORKDIR = "specbuild-work"

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Callable
 
 from specbuild.pipeline.checks import CheckResult, failure_message, failures, run_checks
-from specbuild.pipeline.errors import CheckFailed, UsageError
-from specbuild.pipeline.manifest import (MANIFEST, HashCache, Manifest, ensure_writable_dir, hash_tree, is_up_to_date,
+from specbuild.core.errors import CheckFailed, UsageError
+from specbuild.core.manifest import (MANIFEST, HashCache, Manifest, ensure_writable_dir, hash_tree, is_up_to_date,
                                 read_manifest)
 from specbuild.pipeline.sources import ResolvedSource, resolve
 from specbuild.pipeline.stage import BACKENDS, PlanStep, StageOutcome, run_stage, stage_dir
-from specbuild.pipeline.constants import DTYPES  # noqa: F401 (the CLI imports it here)
+from specbuild.core.constants import DTYPES  # noqa: F401 (the CLI imports it here)
 
 QUANTIZATIONS = ("int8_wo", "int4_wo", "fp8")
 
@@ -99,7 +99,7 @@ def convert(target: str | os.PathLike, draft: str | os.PathLike, *, workdir: str
     if failures(checks):
         raise CheckFailed(failure_message(checks), checks)
     inputs = {} if dry_run else _hash_inputs(workdir, src_t, src_d, say)
-    outcome = run_stage("convert", inputs=inputs, **stage_kw)
+    outcome = run_stage("convert", inputs=inputs, preflight=[c.to_dict() for c in checks], **stage_kw)
     return _result(outcome, checks, src_t, src_d, t0)
 
 

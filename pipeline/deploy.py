@@ -2,7 +2,7 @@
 
 The backend does the work (`specbuild.engines.<backend>.deploy`): `embedded` renders Python-backend
 models that run the embedded engine; `trtllm` renders the upstream TensorRT-LLM repository. Both
-expose the same client-facing models and tensors (`specbuild.pipeline.contract`).
+expose the same client-facing models and tensors (`specbuild.core.contract`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from specbuild.pipeline.manifest import fingerprint, hash_tree, sha256_file
+from specbuild.core.manifest import fingerprint, hash_tree, sha256_file
 from specbuild.pipeline.stage import StageOutcome, run_stage, stage_dir
 
 

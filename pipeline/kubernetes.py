@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specbuild.pipeline.errors import UsageError
-from specbuild.pipeline.manifest import Manifest, read_manifest, stage_output, write_manifest
+from specbuild.core.errors import UsageError
+from specbuild.core.manifest import Manifest, read_manifest, stage_output, write_manifest
 
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 

@@ -36,15 +36,16 @@ from urllib.parse import urlsplit
 from specbuild.loadtests import stalls
 from specbuild.loadtests.profiles import load_profiles
 from specbuild.loadtests.report import overall_status  # noqa: F401  (public API)
+from specbuild.loadtests import session as _session
 from specbuild.loadtests.session import (OPTIONAL_INPUTS, Session, default_metrics_url,  # noqa: F401 (API)
-                                        deployment_max_seq_len, input_budget, open_session, resolve_tokenizer,
-                                        served_names, _payload, smoke)
+                                        input_budget, served_names, _payload, smoke)
+from specbuild.pipeline.deployment import deployment, deployment_max_seq_len, resolve_tokenizer  # noqa: F401
 from specbuild.loadtests.settings import parse_compare, parse_settings  # noqa: F401  (public API)
 from specbuild.loadtests.sweep import ENDPOINT_FIELDS, Run, first_at, plan, sweep_summary
-from specbuild.pipeline import wire
-from specbuild.pipeline.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
-from specbuild.pipeline.errors import SpecbuildError, UsageError
-from specbuild.pipeline.manifest import Manifest, stage_output, write_manifest
+from specbuild.core import wire
+from specbuild.core.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
+from specbuild.core.errors import SpecbuildError, UsageError
+from specbuild.core.manifest import Manifest, stage_output, write_manifest
 
 log = logging.getLogger(__name__)
 PROTOCOLS = ("http", "grpc")
@@ -341,6 +342,14 @@ def _prepare(cfg: LoadtestConfig, say) -> tuple[list[Run], dict, dict[str, Any]]
         "machine": _machine(),
     }
     return runs, sessions, report
+
+
+def open_session(*, tokenizer: str | None, workdir: Path, **kw) -> Session:
+    """`loadtests.session.open_session` with the facts of the deployment in `workdir` (its tokenizer unless
+    `tokenizer` names one, its target, its engine's max_seq_len)."""
+    d = deployment(workdir)
+    return _session.open_session(tokenizer_dir=d.tokenizer_dir(tokenizer), deployed=d.target,
+                                 max_seq_len=d.max_seq_len, **kw)
 
 
 def _records(cfg: LoadtestConfig):

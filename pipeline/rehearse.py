@@ -31,8 +31,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-from specbuild.pipeline.errors import CheckFailed, ToolNotAvailable, UsageError
-from specbuild.pipeline.manifest import read_manifest
+from specbuild.core.errors import CheckFailed, ToolNotAvailable, UsageError
+from specbuild.core.manifest import read_manifest
 from specbuild.pipeline.stage import stage_dir
 
 REHEARSAL_DIR = "rehearsal"
@@ -123,7 +123,7 @@ def older_family_of_the_lineage(upstream: Path, family: str | None) -> dict[str,
     """When `upstream` is exactly the tree of a version-table family that the deployed `family` derives from
     (e.g. the 0.20 tree for a 1.2 deployment: same names, the later releases only add optional tensors), that
     family and the ids of the changes between them; else None."""
-    from specbuild.engines.trtllm.upstream_facts import extract_tree, families
+    from specbuild.core.upstream_facts import extract_tree, families
     if not family or family not in families():
         return None
     try:
@@ -289,7 +289,7 @@ def _engine_path_upstream(backend_models_dir, manifest: dict[str, Any], deployed
                           say: Callable[[str], None]) -> tuple[Path, dict | None]:
     """Upstream's inflight_batcher_llm models for the deployed family -> (their dir, the older family of the same
     lineage they are, or None when they are the deployed one's); refused with the reason otherwise."""
-    from specbuild.engines.trtllm.upstream_facts import models_dir
+    from specbuild.core.upstream_facts import models_dir
 
     if not backend_models_dir:
         raise UsageError("--rehearse needs --backend-models-dir: a checkout of tensorrtllm_backend at the tag of the "

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from specbuild.pipeline.errors import ServerError, ToolNotAvailable, UsageError
-from specbuild.pipeline.manifest import atomic_write_text, ensure_writable_dir, read_manifest, workspace_lock
+from specbuild.core.errors import ServerError, ToolNotAvailable, UsageError
+from specbuild.core.manifest import atomic_write_text, ensure_writable_dir, read_manifest, workspace_lock
 from specbuild.pipeline.stage import stage_dir
 from specbuild.pipeline.tritonbin import find_tritonserver, prepare_backend_dir, server_env
 

@@ -31,14 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from specbuild.pipeline.errors import SourceError
-from specbuild.pipeline.manifest import HashCache
-from specbuild.pipeline.constants import TOKENIZER_FILES
+from specbuild.core.errors import SourceError
+from specbuild.core.manifest import HashCache
+from specbuild.core.constants import TOKENIZER_FILES  # noqa: F401 (re-exported)
+from specbuild.core.paths import PICKLE_SUFFIXES, cache_dir, model_files  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "*.txt", "*.jinja"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MARKER = ".specbuild-source.json"
@@ -75,11 +75,6 @@ class ResolvedSource:
 
     def describe(self) -> dict[str, str]:
         return {"source": self.spec, "kind": self.kind, "path": str(self.path), "weights": self.weights}
-
-
-def cache_dir() -> Path:
-    """The conversion cache: `$SPECBUILD_CACHE`, else `~/.cache/specbuild` (read when called, not at import)."""
-    return Path(os.environ.get("SPECBUILD_CACHE") or Path.home() / ".cache" / "specbuild").expanduser()
 
 
 def resolve(source: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
@@ -139,25 +134,6 @@ def _validate_dir(spec: str, kind: str, path: Path, allow_pickle: bool, trust_re
 def _is_gguf(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == GGUF_MAGIC
-
-
-def model_files(path: Path) -> list[Path]:
-    """The weight files of an HF directory: those its safetensors index names, else every *.safetensors,
-    else the pickle files."""
-    index = Path(path) / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise SourceError(f"{index} is unreadable ({e}); re-download or re-export the model.") from e
-        missing = [n for n in names if not (Path(path) / n).is_file()]
-        if missing:
-            raise SourceError(f"{index} names missing shards {missing[:3]}; re-download the model.")
-        return [Path(path) / n for n in names]
-    safetensors = sorted(Path(path).glob("*.safetensors"))
-    if safetensors:
-        return safetensors
-    return sorted(p for p in Path(path).iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
 
 
 @contextlib.contextmanager

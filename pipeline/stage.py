@@ -13,69 +13,17 @@ from __future__ import annotations
 
 import importlib
 import logging
-import shlex
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from specbuild.pipeline.errors import SpecbuildError, UsageError
-from specbuild.pipeline.manifest import (HashCache, Manifest, is_up_to_date, read_manifest, recover_output,
-                                         stage_output, tree_bytes, workspace_lock, write_manifest)
+from specbuild.core.errors import SpecbuildError, UsageError
+from specbuild.core.manifest import (HashCache, Manifest, is_up_to_date, read_manifest, recover_output,
+                                     stage_output, tree_bytes, workspace_lock, write_manifest)
+from specbuild.core.stage import (BACKENDS, STAGE_DIRS, PlanStep, StageContext, StageOutcome,  # noqa: F401
+                                  StageResult, stage_dir, write_manifest_raw)
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("embedded", "trtllm")
-STAGE_DIRS = {"convert": "checkpoints", "build": "engines", "deploy": "model_repository"}
-
-
-@dataclass
-class PlanStep:
-    """One thing a stage would do: a command to run (argv) or a file to write (path + content)."""
-
-    kind: str  # "run" | "write" | "note"
-    argv: list[str] | None = None
-    path: str | None = None
-    content: str | None = None
-    note: str | None = None
-
-    def render(self) -> str:
-        if self.kind == "run":
-            return "$ " + shlex.join(self.argv or [])
-        if self.kind == "write":
-            head = f"--- write {self.path}"
-            return head if self.content is None else f"{head}\n{self.content.rstrip()}"
-        return f"# {self.note}"
-
-
-@dataclass
-class StageContext:
-    stage: str
-    backend: str
-    workdir: Path
-    out_dir: Path                      # where run() writes (a temp dir that is renamed into place)
-    options: dict[str, Any]
-    upstream: dict[str, Any] | None    # the previous stage's manifest (None for convert)
-    upstream_dir: Path | None
-    hashes: HashCache
-    progress: Callable[[str], None] = lambda msg: log.info(msg)
-
-
-@dataclass
-class StageResult:
-    inputs: dict[str, Any] = field(default_factory=dict)    # extra inputs to record (e.g. resolved sources)
-    outputs: dict[str, Any] = field(default_factory=dict)
-    checks: list[dict[str, Any]] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StageOutcome:
-    out_dir: Path
-    manifest: dict[str, Any]
-    skipped: bool                      # True when the inputs and options were unchanged (no-op)
-    seconds: float
-    plan: list[PlanStep] | None = None
 
 
 def backend_module(backend: str, stage: str):
@@ -84,13 +32,10 @@ def backend_module(backend: str, stage: str):
     return importlib.import_module(f"specbuild.engines.{backend}.{stage}")
 
 
-def stage_dir(workdir: Path, stage: str) -> Path:
-    return Path(workdir) / STAGE_DIRS[stage]
-
-
 def run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, Any],
               inputs: dict[str, Any], upstream_stage: str | None = None, force: bool = False,
-              dry_run: bool = False, progress: Callable[[str], None] | None = None) -> StageOutcome:
+              dry_run: bool = False, progress: Callable[[str], None] | None = None,
+              preflight: list[dict[str, Any]] | None = None) -> StageOutcome:
     """Run one stage with fingerprinting and an atomic write.
 
     `inputs` must already identify the inputs by content (sha256); the fingerprint is
@@ -98,15 +43,18 @@ def run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, Any
     """
     if dry_run:
         return _run_stage(stage, backend=backend, workdir=workdir, options=options, inputs=inputs,
-                          upstream_stage=upstream_stage, force=force, dry_run=True, progress=progress)
+                          upstream_stage=upstream_stage, force=force, dry_run=True, progress=progress,
+                          preflight=preflight)
     with workspace_lock(workdir, f"specbuild {stage}"):
         return _run_stage(stage, backend=backend, workdir=workdir, options=options, inputs=inputs,
-                          upstream_stage=upstream_stage, force=force, dry_run=False, progress=progress)
+                          upstream_stage=upstream_stage, force=force, dry_run=False, progress=progress,
+                          preflight=preflight)
 
 
 def _run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, Any],
                inputs: dict[str, Any], upstream_stage: str | None, force: bool,
-               dry_run: bool, progress: Callable[[str], None] | None) -> StageOutcome:
+               dry_run: bool, progress: Callable[[str], None] | None,
+               preflight: list[dict[str, Any]] | None) -> StageOutcome:
     t0 = time.perf_counter()
     workdir = Path(workdir)
     out_dir = stage_dir(workdir, stage)
@@ -134,7 +82,7 @@ def _run_stage(stage: str, *, backend: str, workdir: Path, options: dict[str, An
     options = {**options, "backend": backend}
     ctx = StageContext(stage=stage, backend=backend, workdir=workdir, out_dir=out_dir, options=options,
                        upstream=upstream, upstream_dir=upstream_dir, hashes=hashes,
-                       progress=progress or (lambda msg: log.info(msg)))
+                       progress=progress or (lambda msg: log.info(msg)), preflight=list(preflight or []))
     if dry_run:
         if not hasattr(mod, "plan"):
             raise UsageError(f"--dry-run is not available for `{stage}` with backend {backend!r}.")
@@ -176,8 +124,3 @@ def _output_estimate(stage: str, ctx: StageContext) -> int:
     return sum(tree_bytes(Path(d)) for d in dirs if d)
 
 
-def write_manifest_raw(directory: Path, data: dict[str, Any]) -> None:
-    import json
-
-    from specbuild.pipeline.manifest import MANIFEST, atomic_write_text
-    atomic_write_text(Path(directory) / MANIFEST, json.dumps(data, indent=2, default=str) + "\n")

@@ -23,7 +23,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbuild.pipeline.errors import ToolNotAvailable
+from specbuild.core.errors import ToolNotAvailable
 
 CONTAINER_BACKENDS = Path("/opt/tritonserver/backends")
 

@@ -38,10 +38,10 @@ from typing import Any, Callable
 
 from specbuild import __version__
 from specbuild.engines.embedded.config import ConfigError, EngineConfig, Policy
-from specbuild.pipeline.constants import PROPOSERS
-from specbuild.pipeline.contract import SPECULATIVE_MODEL
-from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
-from specbuild.pipeline.manifest import MANIFEST, Manifest, atomic_write_text, stage_output, write_manifest
+from specbuild.core.constants import PROPOSERS
+from specbuild.core.contract import SPECULATIVE_MODEL
+from specbuild.core.errors import ManifestError, SpecbuildError, UsageError
+from specbuild.core.manifest import MANIFEST, Manifest, atomic_write_text, stage_output, write_manifest
 from specbuild.pipeline.tune_score import (TIE_TOLERANCE, Setting, choose_default, choose_winner, cell_row, gain_vs_baseline,
                                   objective_for, per_profile_winners, render_markdown)
 

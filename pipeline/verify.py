@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
-from specbuild.pipeline.errors import SpecbuildError, UsageError
+from specbuild.core.errors import SpecbuildError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def verify(generate: GenerateFn, tokenize: Callable[[str], list[int]], *, prompt
                                    top_p=top_p, alpha=alpha, concurrency=concurrency, progress=progress)
     report = VerifyReport(num_draft_tokens=num_draft_tokens, greedy=greedy, sampling=sampling)
     if out:
-        from specbuild.pipeline.manifest import atomic_write_text
+        from specbuild.core.manifest import atomic_write_text
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(out), json.dumps(report.to_dict(), indent=2) + "\n")
     return report

@@ -47,7 +47,7 @@ def _git_dir(path: Path) -> Path:
 
 def _family(tree: Path) -> str | None:
     try:
-        from specbuild.engines.trtllm.upstream_facts import extract_tree, families
+        from specbuild.core.upstream_facts import extract_tree, families
     except ImportError:
         return None
     try:

@@ -12,7 +12,7 @@ from specbuild.cli.main import cli
 from specbuild.pipeline.convert import convert
 from specbuild.engines.embedded.adaptive import CostModel, predicted_speedup
 from specbuild.engines.embedded.calibrate import estimate_alpha, speedup_table
-from specbuild.pipeline.errors import ManifestError, UsageError
+from specbuild.core.errors import ManifestError, UsageError
 
 SMALL = dict(max_batch_size=2, max_seq_len=128, max_draft_len=4)
 

@@ -1,6 +1,6 @@
 """The client adapts contract requests to the deployment it talks to: the embedded one takes the contract as
 is; a TensorRT-LLM one serves upstream's models of its release (names read from the release tags in
-engines/trtllm/upstream_facts.json)."""
+core/upstream_facts.json)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_llmapi_clients_speak_its_one_model_and_its_tensors():
 def test_loadtest_payload_speaks_the_release_or_refuses_with_the_reason(tiny_tokenizer):
     from specbuild.loadtests.profiles import load_profiles
     from specbuild.loadtests.runspec import Gates
-    from specbuild.pipeline.errors import UsageError
+    from specbuild.core.errors import UsageError
     from specbuild.pipeline.loadtest import Session
 
     batch, chat = load_profiles(("batch", "chat"))
@@ -114,7 +114,7 @@ def test_trtllm_0_20_and_later_take_the_contract_names(family):
 
 
 def test_a_0_19_name_sent_to_a_0_20_deployment_is_refused_with_the_rename():
-    from specbuild.pipeline.contract import request_problems
+    from specbuild.core.contract import request_problems
     problems = request_problems("trtllm-1.2", "ensemble", {"text_input": "x", "max_tokens": 4, "random_seed": 1})
     assert problems and "no input 'random_seed'" in problems[0]
     assert request_problems("trtllm-0.19", "ensemble", {"text_input": "x", "max_tokens": 4, "seed": 1}) == [
@@ -122,7 +122,7 @@ def test_a_0_19_name_sent_to_a_0_20_deployment_is_refused_with_the_rename():
 
 
 def test_llmapi_model_takes_sampling_param_names():
-    from specbuild.pipeline.contract import llmapi_request
+    from specbuild.core.contract import llmapi_request
     out = llmapi_request(body(seed=3, temperature=0.0, return_perf_metrics=True))
     assert out == {"text_input": "Hello", "sampling_param_max_tokens": 8, "streaming": False,
                    "sampling_param_temperature": 0.0, "sampling_param_seed": 3,

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from specbuild.pipeline import contract
+from specbuild.core import contract
 from specbuild.pipeline.deploy import deploy
 from specbuild.engines.embedded.deploy import render
-from specbuild.pipeline.errors import ManifestError, UsageError
+from specbuild.core.errors import ManifestError, UsageError
 from specbuild.model_repository.embedded.request_params import perf_metrics
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from specbuild.engines.embedded.kvcache import KVCache
 from specbuild.engines.embedded.model import ragged_forward
 from specbuild.engines.embedded.weights import load_model
-from specbuild.pipeline.errors import SourceError
+from specbuild.core.errors import SourceError
 
 ATOL = 2e-4
 

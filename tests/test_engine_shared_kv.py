@@ -7,7 +7,7 @@ import pytest
 
 from specbuild.engines.embedded import Engine, SamplingParams
 from specbuild.engines.embedded.quant import quantize_model_
-from specbuild.pipeline.errors import SourceError
+from specbuild.core.errors import SourceError
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of",
            " ".join(["the quick brown fox jumps over the lazy dog"] * 3)]

@@ -9,7 +9,7 @@ import torch
 from specbuild.engines.embedded import Engine, EngineLimitError, SamplingParams
 from specbuild.engines.embedded.model import ragged_forward
 from specbuild.engines.embedded.sampling import processed_probs
-from specbuild.pipeline.errors import SourceError
+from specbuild.core.errors import SourceError
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from specbuild.cli.main import cli
-from specbuild.pipeline.manifest import hash_tree, read_manifest, tree_bytes
+from specbuild.core.manifest import hash_tree, read_manifest, tree_bytes
 
 SMALL_BUILD = ["--max-batch-size", "2", "--max-seq-len", "128", "--max-draft-len", "2"]
 

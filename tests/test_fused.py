@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specbuild.engines.embedded import Engine, SamplingParams, fused
+from specbuild.engines.embedded import Engine, SamplingParams, fused, step
 from specbuild.engines.embedded.kvcache import KVCache
 from specbuild.engines.embedded.model import ragged_forward
 from specbuild.engines.embedded.quant import BlockLinear, dequantize_blocks, quantize_blocks, quantize_model_
@@ -80,7 +80,7 @@ def test_block_kernel_computes_what_the_dequantized_linear_computes(scheme, rows
 def test_fused_layers_compute_what_eager_computes(arch, request):
     model = load_model(request.getfixturevalue(arch), dtype="float32")
     eager, fast = _cache(model, "eager"), _cache(model, "fused")
-    assert fused.decode_step_of(model, fast) == "fused" and fused.decode_step_of(model, eager) == "eager"
+    assert step.decode_step_of(model, fast) == "fused" and step.decode_step_of(model, eager) == "eager"
     prompts = [[5, 9, 14, 2, 7] * 6, [3, 4] * 9, [11] * 3]
     for cache in (eager, fast):                                           # ragged prefill into three slots
         ragged_forward(model, cache, [0, 2, 3], [0, 0, 0], prompts, "none")
@@ -97,7 +97,7 @@ def test_fused_layers_compute_what_eager_computes(arch, request):
 @needs_ext
 def test_fused_rows_do_not_depend_on_who_shares_the_batch(tiny_llama):
     model = load_model(tiny_llama, dtype="float32")
-    from specbuild.engines.embedded.kernels import pack_linears_
+    from specbuild.engines.embedded.step import pack_linears_
 
     pack_linears_(model)
     a, b = _cache(model, "fused"), _cache(model, "fused")
@@ -113,8 +113,8 @@ def test_a_required_fused_step_that_is_missing_is_refused(tiny_llama, monkeypatc
     monkeypatch.setattr(fused, "_TRIED", True)
     monkeypatch.setattr(fused, "_WHY", "not built on this machine (test)")
     with pytest.raises(RuntimeError, match="decode_step='fused' but not built on this machine"):
-        fused.runner_for(model, _cache(model, "fused"), "fused")
-    assert fused.runner_for(model, _cache(model, "auto"), "auto") is None        # auto: eager, not an error
+        step.runner_for(model, _cache(model, "fused"), "fused")
+    assert step.runner_for(model, _cache(model, "auto"), "auto") is None        # auto: eager, not an error
 
 
 # ---- the int4 self-draft ------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_hostile_case_gets_a_4xx_with_the_reason_or_is_served(running_server, ca
 def test_upstream_500_is_tritonservers_own_parse_error(running_server, case):
     """Pins what the docs say: these 500s carry tritonserver's parser message and never reach the model
     (specbuild_requests_refused_invalid_total does not move)."""
-    from specbuild.pipeline.metrics import parse_prometheus
+    from specbuild.core.metrics import parse_prometheus
 
     def refused():
         m = parse_prometheus(httpx.get(running_server.metrics_url, timeout=10).text)

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specbuild.pipeline import contract, serve
+from specbuild.core import contract
+from specbuild.pipeline import serve
 from specbuild.pipeline.client import Client, RequestError, metric, parse_metrics
 
 from servers import deploy_tiny, serve_options

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from specbuild.engines.embedded.kernels import (PackedLinear, linear_kernel_of, onednn_available,
-                                                pack_linears_)
+from specbuild.engines.embedded.kernels import PackedLinear, onednn_available
+from specbuild.engines.embedded.step import linear_kernel_of, pack_linears_
 from specbuild.engines.embedded.kvcache import KVCache
 from specbuild.engines.embedded.model import ragged_forward
 from specbuild.engines.embedded.quant import Int8Linear, quantize_model_

@@ -236,7 +236,7 @@ def _alive(server) -> bool:
 
 
 def _metric(metrics_url: str, name: str, model: str) -> float:
-    from specbuild.pipeline.metrics import metric_sum, parse_prometheus
+    from specbuild.core.metrics import metric_sum, parse_prometheus
 
     return metric_sum(parse_prometheus(httpx.get(metrics_url, timeout=5).text), name, model=model)
 

@@ -13,8 +13,8 @@ import pytest
 from specbuild.loadtests import export, sweep
 from specbuild.loadtests.datasets import load_prompt_file
 from specbuild.loadtests.target import metric_deltas, spec_summary
-from specbuild.pipeline.errors import UsageError
-from specbuild.pipeline.metrics import parse_prometheus
+from specbuild.core.errors import UsageError
+from specbuild.core.metrics import parse_prometheus
 
 
 def test_parse_sweeps_shared_per_profile_and_refusals():

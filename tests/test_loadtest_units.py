@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from specbuild.cli.main import cli
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 from specbuild.pipeline.loadtest import LoadtestConfig, input_budget, parse_compare, resolve_tokenizer
 from specbuild.loadtests import promptsets, report as rep, target
 from specbuild.loadtests.profiles import load_profile, profile_from_dict
@@ -391,7 +391,7 @@ def test_genai_perf_export_names_statistics_and_units():
 
 
 def test_prometheus_text_is_parsed_in_one_place():
-    from specbuild.pipeline.metrics import metric_sum, parse_prometheus
+    from specbuild.core.metrics import metric_sum, parse_prometheus
 
     text = textwrap.dedent("""\
         # HELP nv_inference_count Number of inferences

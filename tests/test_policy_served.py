@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from servers import ServerHandle, serve_options
 from specbuild.cli.main import cli
 from specbuild.engines.embedded.config import EngineConfig
-from specbuild.pipeline import contract, serve
+from specbuild.core import contract
+from specbuild.pipeline import serve
 from specbuild.pipeline.client import Client, metric, parse_metrics
 
 pytestmark = pytest.mark.server

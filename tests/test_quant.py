@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from specbuild.engines.embedded.quant import (Int8Linear, dequantize_weight, load_quantized_model,
-                                              load_quantized_state_dict_, quantize_model_, quantize_weight,
-                                              save_quantized_model)
-from specbuild.pipeline.errors import SourceError, UsageError
+from specbuild.engines.embedded.quant import (Int8Linear, dequantize_weight, load_quantized_state_dict_,
+                                              quantize_model_, quantize_weight, save_quantized_model)
+from specbuild.engines.embedded.weights import load_quantized_model
+from specbuild.core.errors import SourceError, UsageError
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -22,7 +22,7 @@ from trtllm_support import env_with_path, make_fake_trtllm_build, make_standin_t
     upstream_backend_dir
 
 from specbuild.pipeline import rehearse, serve
-from specbuild.pipeline.errors import CheckFailed, UsageError
+from specbuild.core.errors import CheckFailed, UsageError
 
 pytestmark = pytest.mark.server          # starts a real tritonserver
 
@@ -150,7 +150,7 @@ def test_speculative_request_without_stream_is_refused_by_upstream_bls(server):
 def test_genai_perf_shaped_request(server):
     """exclude_input_in_output + min_length: fine on the ensemble; on the BLS speculative path upstream's loop
     assumes output_ids hold the prompt, so the contract refuses it before sending (contract.request_problems)."""
-    from specbuild.pipeline.contract import contract_name_for, request_problems
+    from specbuild.core.contract import contract_name_for, request_problems
     info, _, family = server
     min_name = contract_name_for(family, "ensemble", "min_tokens")     # min_length up to 0.19, min_tokens from 0.20
     r = generate(info, "ensemble", text_input="Hello world", max_tokens=8, **{min_name: 8},

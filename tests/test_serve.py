@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from servers import free_ports, reaped, serve_options
 from specbuild.pipeline import serve
-from specbuild.pipeline.errors import ServerError, UsageError
-from specbuild.pipeline.manifest import Manifest, write_manifest
+from specbuild.core.errors import ServerError, UsageError
+from specbuild.core.manifest import Manifest, write_manifest
 from specbuild.pipeline.tritonbin import find_tritonserver, prepare_backend_dir, server_env
 
 pytestmark = pytest.mark.server
@@ -127,7 +127,7 @@ def test_bad_options_refused():
 
 
 def test_missing_repository_refused(tmp_path):
-    from specbuild.pipeline.errors import ManifestError
+    from specbuild.core.errors import ManifestError
 
     with pytest.raises(ManifestError, match="specbuild deploy"):
         serve.start(tmp_path, serve_options())
@@ -191,7 +191,7 @@ def test_foreground_serve_stops_cleanly_on_ctrl_c(workdir):
 
 
 def test_trtllm_repository_needs_a_trtllm_tritonserver(workdir):
-    from specbuild.pipeline.errors import ToolNotAvailable
+    from specbuild.core.errors import ToolNotAvailable
 
     if find_tritonserver().source != "pytriton":
         pytest.skip("a real tritonserver is on PATH here")

@@ -18,7 +18,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from click.testing import CliRunner
 
-from specbuild.pipeline import contract, serve
+from specbuild.core import contract
+from specbuild.pipeline import serve
 from specbuild.pipeline.client import Client, RequestError, grpc_inputs, metric, parse_metrics
 
 pytestmark = pytest.mark.server
@@ -154,7 +155,7 @@ def test_metrics_present_and_moving(running_server):
     """The counters a client reads after its response include that response: no waiting, no polling (the
     frontend publishes the metrics before it delivers a final reply)."""
     from specbuild.engines.embedded.adaptive import DEFAULT_DRAFT_COST_RATIO
-    from specbuild.pipeline.metrics import metric_sum
+    from specbuild.core.metrics import metric_sum
 
     before = wait_metrics(running_server, lambda m: metric(m, "specbuild_running_requests") == 0, "an idle engine")
     first = before

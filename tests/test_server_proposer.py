@@ -3,7 +3,7 @@
 import pytest
 
 from specbuild.pipeline.client import Client, RequestError
-from specbuild.pipeline.contract import SPECULATIVE_MODEL
+from specbuild.core.contract import SPECULATIVE_MODEL
 
 pytestmark = pytest.mark.server          # starts a real tritonserver
 

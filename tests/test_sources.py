@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specbuild.pipeline.errors import SourceError
+from specbuild.core.errors import SourceError
 from specbuild.pipeline.sources import cache_dir, convert_gguf, resolve
 
 
@@ -90,7 +90,7 @@ def test_convert_gguf_reuses_finished_cache_entry(tmp_path, cache, tiny_llama):
     """A cache entry with the completion marker is returned without re-conversion (keyed by sha256)."""
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF" + b"\x00" * 60)
-    from specbuild.pipeline.manifest import sha256_file
+    from specbuild.core.manifest import sha256_file
 
     final = cache / "gguf" / sha256_file(f)[:32]
     shutil.copytree(tiny_llama, final)

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from specbuild.cli.main import cli
-from specbuild.pipeline import manifest as manifest_mod
-from specbuild.pipeline.manifest import WorkspaceBusy, hash_tree, read_manifest, workspace_lock
+from specbuild.core import manifest as manifest_mod
+from specbuild.core.manifest import WorkspaceBusy, hash_tree, read_manifest, workspace_lock
 
 SMALL_BUILD = ["--max-batch-size", "2", "--max-seq-len", "128", "--max-draft-len", "2"]
 

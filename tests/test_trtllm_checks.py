@@ -7,7 +7,7 @@ import pytest
 from specbuild.engines.trtllm.checks import check_vocab, speculative_mode, validate_engine_config
 from specbuild.engines.trtllm.settings import settings_from
 from specbuild.engines.trtllm.versions import ENGINE, LLMAPI, resolve, supported_matrix
-from specbuild.pipeline.errors import CheckFailed, UsageError
+from specbuild.core.errors import CheckFailed, UsageError
 
 
 def engine_cfg(mode=2, k=4, gather=False, paged_fmha=True):

@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from trtllm_support import context, gathered_trees, runs, written
 
 from specbuild.cli.main import cli
-from specbuild.engines.trtllm import build, convert, deploy, upstream_facts
+from specbuild.core import upstream_facts
+from specbuild.engines.trtllm import build, convert, deploy
 from specbuild.engines.trtllm.repository import upstream_mismatches
 from specbuild.engines.trtllm.versions import ENGINE_CONTAINERS, resolve
 

@@ -18,8 +18,8 @@ from trtllm_support import (env_with_path, make_backend_models, make_fake_trtllm
 
 from specbuild.engines.trtllm.build import trtllm_build_argv
 from specbuild.engines.trtllm.repository import ensemble_problems, parse_config
-from specbuild.pipeline.errors import CheckFailed, ToolNotAvailable
-from specbuild.pipeline.manifest import read_manifest
+from specbuild.core.errors import CheckFailed, ToolNotAvailable
+from specbuild.core.manifest import read_manifest
 from specbuild.pipeline.stage import run_stage
 
 

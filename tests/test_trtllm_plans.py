@@ -10,7 +10,7 @@ import pytest
 from trtllm_support import context, runs, written
 
 from specbuild.engines.trtllm import build, convert, deploy
-from specbuild.pipeline.errors import CheckFailed, ToolNotAvailable, UsageError
+from specbuild.core.errors import CheckFailed, ToolNotAvailable, UsageError
 from specbuild.pipeline.stage import run_stage
 
 WORKER = [sys.executable, "-m", "specbuild.engines.trtllm.convert_rank"]
@@ -197,7 +197,7 @@ def test_dry_runs_use_what_convert_recorded_and_say_what_they_cannot_know(tmp_pa
     from click.testing import CliRunner
 
     from specbuild.cli.main import cli
-    from specbuild.pipeline.manifest import Manifest, write_manifest
+    from specbuild.core.manifest import Manifest, write_manifest
     work = tmp_path / "w"
     r = CliRunner().invoke(cli, ["build", "--backend", "trtllm", "--workdir", str(work), "--dry-run",
                                  "--trtllm-version", "0.18.0"])

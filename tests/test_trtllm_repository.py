@@ -12,12 +12,12 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from trtllm_support import context, written
 
-from specbuild.pipeline.contract import (CLIENT_INPUTS, CLIENT_OUTPUTS, ENSEMBLE_MODEL, SPECULATIVE_MODEL, TensorSpec,
+from specbuild.core.contract import (CLIENT_INPUTS, CLIENT_OUTPUTS, ENSEMBLE_MODEL, SPECULATIVE_MODEL, TensorSpec,
                                 contract_mismatches, inputs_for)
 from specbuild.engines.trtllm import deploy
-from specbuild.engines.trtllm import upstream_facts
+from specbuild.core import upstream_facts
 from specbuild.engines.trtllm.repository import ensemble_problems, render, template, upstream_mismatches
-from specbuild.pipeline.errors import SpecbuildError, UsageError
+from specbuild.core.errors import SpecbuildError, UsageError
 
 PARAM_UNSET = "${"   # a parameter deploy does not set keeps upstream's literal placeholder (fill_template)
 

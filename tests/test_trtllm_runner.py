@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from specbuild.engines.trtllm.runner import CommandFailed, require_tensorrt_llm, run_command
-from specbuild.pipeline.errors import SpecbuildError, ToolNotAvailable
+from specbuild.core.errors import SpecbuildError, ToolNotAvailable
 
 NO_TRTLLM = pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None,
                                reason="tensorrt_llm is installed here")

@@ -16,10 +16,10 @@ from tritonclient.grpc import model_config_pb2
 
 from specbuild.cli.main import cli
 from specbuild.engines.embedded.deploy import render
-from specbuild.pipeline.errors import ManifestError, UsageError
+from specbuild.core.errors import ManifestError, UsageError
 from specbuild.loadtests.report import summarize_cell
 from specbuild.loadtests.runner import CellResult
-from specbuild.pipeline.manifest import Manifest, write_manifest
+from specbuild.core.manifest import Manifest, write_manifest
 from specbuild.engines.embedded.config import ConfigError, Policy
 from specbuild.pipeline.tune import TuneConfig, apply_policy, parse_k_list, plan_settings, sweep_ks, tuned_policy
 from specbuild.pipeline.tune_score import (OBJECTIVES, Setting, cell_row, choose_default, choose_winner, gain_vs_baseline,

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 from specbuild.pipeline.verify import chi2_sf, first_divergence, homogeneity_test, load_prompts, verify_sampling
 
 

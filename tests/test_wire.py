@@ -1,4 +1,4 @@
-"""The one wire module (`specbuild.pipeline.wire`): request encoding (KServe JSON, gRPC datatypes, OpenAI
+"""The one wire module (`specbuild.core.wire`): request encoding (KServe JSON, gRPC datatypes, OpenAI
 bodies), SSE parsing, perf-metric absorption and error mapping, as every client uses them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specbuild.pipeline import wire
+from specbuild.core import wire
 
 
 def test_grpc_datatypes_are_what_the_deployment_declares():

@@ -19,7 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from specbuild.pipeline.manifest import HashCache
+from specbuild.core.manifest import HashCache
 from specbuild.pipeline.stage import PlanStep, StageContext, stage_dir
 
 STANDIN_INIT = '''
@@ -192,7 +192,7 @@ GATHER_HINT = ("gather them outside the project with `python scripts/gather_trtl
 
 
 def gathered_root() -> Path:
-    from specbuild.pipeline.sources import cache_dir
+    from specbuild.core.paths import cache_dir
     return Path(os.environ.get(UPSTREAM_ENV) or cache_dir() / "trtllm-upstream").expanduser()
 
 
@@ -239,7 +239,7 @@ def upstream_backend_dir():
     tag, or its all_models/inflight_batcher_llm), else the newest gathered tree; or pytest.skip with the reason."""
     import pytest
 
-    from specbuild.engines.trtllm.upstream_facts import extract_tree, families, models_dir
+    from specbuild.core.upstream_facts import extract_tree, families, models_dir
     raw = os.environ.get(BACKEND_DIR_ENV)
     if not raw:
         tree, _ = upstream_tree()
@@ -250,7 +250,7 @@ def upstream_backend_dir():
         if fam["models"] == tree:
             return root, name
     pytest.fail(f"{root} matches no family of the version table ({sorted(families())}); add its release with "
-                "python -m specbuild.engines.trtllm.upstream_facts extract")
+                "python -m specbuild.core.upstream_facts extract")
 
 
 def trtllm_chain(workdir: Path, target: Path, draft: Path, *, version: str, backend_models: Path,

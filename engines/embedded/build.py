@@ -26,9 +26,9 @@ from typing import Any
 from tqdm import tqdm
 
 from specbuild.engines.embedded.config import ADAPTIVE, EngineConfig, Policy
-from specbuild.pipeline.constants import ENGINE_CONFIG_FILE, TOKENIZER_FILES
-from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
-from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
+from specbuild.core.constants import ENGINE_CONFIG_FILE, TOKENIZER_FILES
+from specbuild.core.errors import ManifestError, SpecbuildError, UsageError
+from specbuild.core.stage import PlanStep, StageContext, StageResult
 
 DRAFT_FORMATS = {"int8": "int8-weight-only", "int4": "int4-blocks"}   # engine_config.json draft_format
 SMOKE_PROMPT = "The capital of France is"
@@ -260,8 +260,8 @@ def _calibrate(ctx: StageContext, engine, opts: dict[str, Any], *, has_draft: bo
     """Step costs and acceptance (-> the default K) and, unless a cut-off was given, the crossover concurrency.
     -> (calibration, default K, the check recorded in the manifest)."""
     from specbuild.engines.embedded.calibrate import calibrate
-    from specbuild.engines.embedded.fused import decode_step_of
-    from specbuild.engines.embedded.kernels import linear_kernel_of
+    from specbuild.engines.embedded.step import decode_step_of
+    from specbuild.engines.embedded.step import linear_kernel_of
 
     cal = calibrate(engine, engine.target, engine.draft, proposer=opts["proposer"],
                     max_draft_len=opts["max_draft_len"], progress=ctx.progress)

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from specbuild.engines.embedded.errors import EngineLimitError
-from specbuild.pipeline.constants import DTYPES, ENGINE_CONFIG_FILE, PROPOSERS
-from specbuild.pipeline.errors import SourceError
+from specbuild.core.constants import DTYPES, ENGINE_CONFIG_FILE, PROPOSERS
+from specbuild.core.errors import SourceError
 
 ADAPTIVE = "adaptive"                    # Policy.k value: K chosen per step (adaptive.py)
 ADAPTIVE_K = -1                          # the request-side spelling of adaptive (num_draft_tokens = -1)

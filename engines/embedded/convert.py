@@ -8,8 +8,8 @@ vocab size (new rows are zero; rows past the tokenizer are never real tokens) an
 `vocab_resized: {from, to, tokenizer_size}` so the engine can mask those ids.
 
 Driven by `specbuild.pipeline.convert.convert` through the stage runner; options used: target_dir, draft_dir,
-dtype, force. The pre-flight checks are run again here on exactly the directories converted, and
-their results go into the manifest.
+dtype, force. The pre-flight checks that `pipeline.convert` ran on exactly these directories arrive as
+`ctx.preflight`, and their results go into the manifest.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specbuild.pipeline.checks import failure_message, failures, run_checks
-from specbuild.pipeline.errors import CheckFailed, UsageError
-from specbuild.pipeline.manifest import sha256_file
-from specbuild.pipeline.sources import TOKENIZER_FILES, model_files
-from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
-from specbuild.pipeline.constants import DTYPES
+from specbuild.core.errors import UsageError
+from specbuild.core.manifest import sha256_file
+from specbuild.core.paths import model_files
+from specbuild.core.stage import PlanStep, StageContext, StageResult
+from specbuild.core.constants import DTYPES, TOKENIZER_FILES
 
 _RESIZABLE = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 
@@ -144,16 +143,13 @@ def run(ctx: StageContext) -> StageResult:
     target, draft = Path(opts["target_dir"]), Path(opts["draft_dir"])
     dtype = opts.get("dtype", "float32")
     _dtype(dtype)
-    checks = run_checks(target, draft, backend=ctx.backend, force=bool(opts.get("force")))
-    if failures(checks):
-        raise CheckFailed(failure_message(checks), checks)
     target_vocab = _read_config(target)["vocab_size"]
     ctx.progress(f"converting target {target} -> {dtype}")
     outputs = {"target": convert_model(target, ctx.out_dir / "target", dtype=dtype, label="target")}
     ctx.progress(f"converting draft {draft} -> {dtype}")
     outputs["draft"] = convert_model(draft, ctx.out_dir / "draft", dtype=dtype, vocab_size=target_vocab,
                                      tokenizer_size=_tokenizer_size(draft), label="draft")
-    return StageResult(outputs=outputs, checks=[c.to_dict() for c in checks])
+    return StageResult(outputs=outputs, checks=list(ctx.preflight))
 
 
 def plan(ctx: StageContext) -> list[PlanStep]:

@@ -12,7 +12,7 @@ ensemble because Triton 2.51 does not propagate a client's cancellation into ens
 forward through `tensorrt_llm` (BLS) because a stub-to-stub response waits on the receiving stub: one dead
 stub hung them all (see model_repository/embedded/triton_models.py).
 
-The tensors of the client-facing models come from `specbuild.pipeline.contract`, so the embedded and the
+The tensors of the client-facing models come from `specbuild.core.contract`, so the embedded and the
 TensorRT-LLM deployments declare the same names, dtypes and dims. Every rendered config is parsed
 with Triton's `ModelConfig` protobuf and checked against the contract before the stage is accepted.
 """
@@ -23,9 +23,9 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from specbuild.pipeline import contract
-from specbuild.pipeline.errors import ManifestError, UsageError
-from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
+from specbuild.core import contract
+from specbuild.core.errors import ManifestError, UsageError
+from specbuild.core.stage import PlanStep, StageContext, StageResult
 
 ENGINE_MODEL = "tensorrt_llm"
 MODELS = (ENGINE_MODEL, contract.ENSEMBLE_MODEL, contract.SPECULATIVE_MODEL)

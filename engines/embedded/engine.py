@@ -44,7 +44,7 @@ from specbuild.engines.embedded.adaptive import AcceptanceTracker
 from specbuild.engines.embedded.config import ADAPTIVE_K, EXACT, ConfigError, EngineConfig, Policy, default_policy
 from specbuild.engines.embedded.detok import IncrementalDetokenizer
 from specbuild.engines.embedded.errors import EngineError, EngineLimitError
-from specbuild.engines.embedded.kernels import linear_kernel_of, pack_linears_
+from specbuild.engines.embedded.step import linear_kernel_of, pack_linears_
 from specbuild.engines.embedded.kvcache import KVCache
 from specbuild.engines.embedded.model import Transformer
 from specbuild.engines.embedded.proposers import DraftModelProposer, NgramProposer
@@ -53,9 +53,9 @@ from specbuild.engines.embedded.scheduler import Scheduler
 from specbuild.engines.embedded.scorer import TargetScorer
 from specbuild.engines.embedded.sequence import RequestOutput, Sequence, StreamDelta
 from specbuild.engines.embedded.stats import SpecStats
-from specbuild.engines.embedded.weights import load_model, torch_dtype
-from specbuild.pipeline.constants import PROPOSERS
-from specbuild.pipeline.errors import SourceError
+from specbuild.engines.embedded.weights import load_model, load_quantized_model, torch_dtype
+from specbuild.core.constants import PROPOSERS
+from specbuild.core.errors import SourceError
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ class Engine:
                 if isinstance(m, BlockLinear):
                     m.prefill_copy = True
             proposer = DraftModelProposer(draft, cache_for(draft), dev)
-        from specbuild.engines.embedded.fused import decode_step_of, status
+        from specbuild.engines.embedded.fused import status
+        from specbuild.engines.embedded.step import decode_step_of
 
         self.decode_step = decode_step_of(target, self.scorer.cache)       # "fused" | "eager", what forwards run
         log.info("decode step: %s", self.decode_step if self.decode_step == "fused" else status())
@@ -368,6 +369,6 @@ def _load_draft(draft_dir, *, dtype, device, quantize: str | None) -> Transforme
 
     cfg_path = Path(draft_dir) / "config.json"
     if cfg_path.is_file() and "specbuild_quantization" in json.loads(cfg_path.read_text()):
-        return quant.load_quantized_model(draft_dir, dtype=dtype, device=device)
+        return load_quantized_model(draft_dir, dtype=dtype, device=device)
     model = load_model(draft_dir, dtype=dtype, device=device)
     return quant.quantize_model_(model, quantize) if quantize else model

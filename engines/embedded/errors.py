@@ -7,7 +7,7 @@ the waiting queue is full or the request waited too long; HTTP 503 / Triton UNAV
 
 from __future__ import annotations
 
-from specbuild.pipeline.errors import SpecbuildError
+from specbuild.core.errors import SpecbuildError
 
 
 class EngineLimitError(SpecbuildError):

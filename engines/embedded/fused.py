@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from torch import nn
+
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def extension_name() -> str:
 
 
 def build_dir() -> Path:
-    from specbuild.pipeline.sources import cache_dir
+    from specbuild.core.paths import cache_dir
 
     return cache_dir() / "torch_extensions" / extension_name()
 
@@ -145,87 +145,6 @@ def block_linear(kind: int, x: torch.Tensor, qs, d, m, bias, out_features: int) 
                             out_features)
 
 
-# ---- the model's layers as a runner -------------------------------------------------------------------------
-def _linear(ext, mod: nn.Module):
-    """The extension's Linear for one of the engine's linear modules, or None (a kind it cannot run)."""
-    from specbuild.engines.embedded.kernels import PackedLinear
-    from specbuild.engines.embedded.quant import BlockLinear, Int8Linear
-
-    none = torch.empty(0)
-    bias = getattr(mod, "bias", None)
-    bias = none if bias is None else bias.detach().float().contiguous()
-    if isinstance(mod, PackedLinear):
-        return ext.make_linear(PACKED_FP32, mod.packed, none, none, none, bias, none, 1 << 30,
-                               mod.out_features, mod.in_features)
-    if isinstance(mod, BlockLinear):
-        prefill = mod.prefill_weight() if mod.prefill_copy else None
-        return ext.make_linear(mod.kind, none, mod.qs, mod.d, mod.m if mod.m is not None else none, bias,
-                               prefill if prefill is not None else none, mod.prefill_min_rows, mod.out_features,
-                               mod.in_features)
-    if isinstance(mod, Int8Linear):
-        prefill = mod.prefill_packed if mod.prefill_packed is not None else none
-        return ext.make_linear(INT8_ROWWISE, mod.qweight, none, mod.scales_bf16, none, bias, prefill,
-                               mod.prefill_min_rows, mod.out_features, mod.in_features)
-    if type(mod) is nn.Linear and mod.weight.dtype == torch.float32:
-        return ext.make_linear(DENSE, mod.weight.detach(), none, none, none, bias, none, 1 << 30,
-                               mod.out_features, mod.in_features)
-    return None
-
-
-def runner_for(model, cache, mode: str = "auto"):
-    """A Runner of `model`'s layers over `cache` (kept on the cache, one per model), or None: eager. `mode` "fused"
-    raises instead of falling back."""
-    if mode == "eager":
-        return None
-    runners = cache.__dict__.setdefault("_fused_runners", {})
-    key = id(model)
-    if key in runners:
-        return runners[key]
-    why = _unsupported(model, cache)
-    ext = None if why else extension()
-    if why is None and ext is None:
-        why = _WHY
-    runner = None
-    if why is None:
-        runner = _make_runner(ext, model, cache)
-        if runner is None:
-            why = "a linear layer of a kind the fused step does not run"
-    if runner is None and mode == "fused":
-        raise RuntimeError(f"decode_step='fused' but {why}; use decode_step 'auto' or 'eager'.")
-    runners[key] = runner
-    return runner
-
-
-def decode_step_of(model, cache) -> str:
-    """"fused" when forwards of `model` over `cache` run on the fused step, else "eager" (what a manifest, a
-    calibration or a benchmark records)."""
-    return "fused" if runner_for(model, cache, getattr(cache, "decode_step", "auto")) is not None else "eager"
-
-
-def _unsupported(model, cache) -> str | None:
-    c = model.cfg
-    w = model.embed.weight
-    if w.device.type != "cpu" or w.dtype != torch.float32 or cache.k[0].dtype != torch.float32:
-        return f"the fused step runs fp32 on CPU (this model: {w.dtype} on {w.device.type})"
-    if c.head_dim % 16 or c.hidden_size % 8 or c.intermediate_size % 8:
-        return "head_dim must be a multiple of 16 and hidden / intermediate sizes multiples of 8"
-    return None
-
-
-def _make_runner(ext, model, cache):
-    cos, sin = model.rope_tables(cache.max_seq)
-    r = ext.Runner(model.cfg.hidden_size, model.cfg.num_heads, model.cfg.num_kv_heads, model.cfg.head_dim,
-                   model.cfg.intermediate_size, float(model.cfg.rms_norm_eps), cos.contiguous(), sin.contiguous(),
-                   list(cache.k), list(cache.v))
-    for layer in model.layers:
-        lins = [_linear(ext, m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if any(x is None for x in lins):
-            return None
-        r.add_layer(layer.input_norm.weight.detach().float().contiguous(),
-                    layer.post_norm.weight.detach().float().contiguous(), *lins)
-    return r
-
-
 def build(progress=print) -> bool:
     """Compile (or find) the extension for this machine and check it against eager PyTorch. -> built or not."""
     global _EXT, _WHY
@@ -234,7 +153,7 @@ def build(progress=print) -> bool:
     if ext is None:
         progress(f"fused decode step: not built ({_WHY}); the embedded engine runs eager PyTorch")
         return False
-    from specbuild.engines.embedded.quant import dequantize_blocks, quantize_blocks
+    from specbuild.engines.embedded.blocks import dequantize_blocks, quantize_blocks
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(40, 64, generator=gen)

@@ -100,42 +100,4 @@ def onednn_available() -> bool:
     return _PROBE
 
 
-def pack_linears_(model: nn.Module, kernel: str = "auto") -> int:
-    """Swap every fp32 CPU `nn.Linear` of `model` for a `PackedLinear`; -> how many were swapped.
-
-    kernel: "auto" (oneDNN when available, else aten), "onednn" (required: raises if unavailable), "aten" (no-op).
-    An `Int8Linear` keeps its int8 kernel for decode rows and gets an fp32 oneDNN copy for prefill-sized inputs
-    (`Int8Linear.prefill_min_rows`). Other layers (bf16, CUDA) are left alone."""
-    if kernel not in LINEAR_KERNELS:
-        raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
-    if kernel == "aten":
-        return 0
-    if not onednn_available():
-        if kernel == "onednn":
-            raise RuntimeError("linear_kernel='onednn' but this torch build has no working oneDNN packed linear "
-                               "(torch.ops.mkldnn._linear_pointwise); use linear_kernel='aten'.")
-        return 0
-    from specbuild.engines.embedded.quant import Int8Linear, dequantize_weight
-
-    todo = [(name, m) for name, m in model.named_modules()
-            if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    for name, m in todo:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(m))
-    int8 = [m for m in model.modules() if isinstance(m, Int8Linear) and m.qweight.device.type == "cpu"]
-    for m in int8:
-        # Decode rows stay on the int8 kernel; a prompt's prefill (many rows) runs on an fp32 oneDNN copy of the
-        # dequantized weight (int8 at 128 rows: 7.2 ms vs 3.0 ms for gate_up here; a draft's prefill of a
-        # 128-token prompt 470 ms vs 273 ms for the whole fp32 target). Memory: 4 bytes per weight.
-        w = dequantize_weight(m.qweight, m.scales, torch.float32)
-        m.prefill_packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
-        m.packed_nbytes = w.numel() * w.element_size()
-    return len(todo) + len(int8)
-
-
-def linear_kernel_of(model: nn.Module) -> str:
-    """"onednn" if any linear of `model` is packed, else "aten" (what a manifest or a benchmark records)."""
-    return "onednn" if any(isinstance(m, PackedLinear) for m in model.modules()) else "aten"
-
-
-__all__ = ["LINEAR_KERNELS", "PackedLinear", "linear_kernel_of", "onednn_available", "pack_linears_"]
+__all__ = ["LINEAR_KERNELS", "PackedLinear", "onednn_available", "onednn_linear", "row_bucket"]

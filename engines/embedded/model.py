@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbuild.pipeline.errors import SourceError
-from specbuild.pipeline.constants import EMBEDDED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
+from specbuild.core.errors import SourceError
+from specbuild.core.constants import EMBEDDED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 
 
 
@@ -235,7 +235,7 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
 
     logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None.
     """
-    from specbuild.engines.embedded.fused import runner_for
+    from specbuild.engines.embedded.step import runner_for
 
     runner = runner_for(model, cache, getattr(cache, "decode_step", "auto"))
     if runner is not None:

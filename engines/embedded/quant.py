@@ -20,7 +20,7 @@ holds exactly the target's weights; elsewhere they are ordinary min/max blocks w
 reports the fraction of weights held exactly. The matmul runs on the fused extension's block kernels
 (csrc/fused.cpp: fp32 activations, the same products as the target's); without it, on a dequantized copy.
 
-Stored format (``save_quantized_model`` / ``load_quantized_model``): ``config.json`` (the HF config plus a
+Stored format (``save_quantized_model``; read by ``weights.load_quantized_model``): ``config.json`` (the HF config plus a
 ``specbuild_quantization`` entry) and ``model.<scheme>.safetensors`` holding the engine model's state dict, where
 an int8 linear is ``<module>.qweight`` int8 ``[out, in]``, ``<module>.scales`` float32 ``[out]`` (+ ``.bias``) and
 a block linear is ``<module>.qs`` (uint8 ``[out, in/32, 16]``: Q4_1, or int8 ``[out, in/32, 32]``: Q8_0),
@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
-from specbuild.pipeline.constants import DRAFT_QUANTIZATIONS as SCHEMES
+from specbuild.core.constants import DRAFT_QUANTIZATIONS as SCHEMES
 
-BLOCK = 32                               # weights per block (Q4_1, Q8_0)
+from specbuild.engines.embedded.blocks import BLOCK, dequantize_blocks, quantize_blocks  # noqa: F401
 
 
 def _has_pack_kernel() -> bool:
@@ -79,7 +79,7 @@ class Int8Linear(nn.Module):
         q, s = quantize_weight(linear.weight)
         return cls(q, s, linear.bias)
 
-    # Set by kernels.pack_linears_: an fp32 oneDNN copy of the dequantized weight for inputs of at least
+    # Set by step.pack_linears_: an fp32 oneDNN copy of the dequantized weight for inputs of at least
     # `prefill_min_rows` rows (a prompt's prefill), where the int8 kernel is 2.4x slower than fp32 packed.
     prefill_packed = None
     prefill_min_rows = 16
@@ -103,68 +103,6 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
-
-
-# ---- block quantization: Q4_1 and Q8_0 (the GGUF layouts) --------------------------------------------------
-def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, scheme: str) -> torch.Tensor:
-    """Blocks -> fp32 weight [out, in], computed as gguf-py does: (d * q) + m, each op rounded to fp32."""
-    if scheme == "q4_1":
-        q = torch.cat((qs & 15, qs >> 4), dim=-1).float()            # byte j: element j, then element j + 16
-        w = q * d[..., None] + m[..., None]
-    else:
-        w = qs.float() * d[..., None]
-    return w.reshape(w.shape[0], -1)
-
-
-def quantize_blocks(weight: torch.Tensor, scheme: str):
-    """fp weight [out, in] (in % 32 == 0) -> (qs, d, m or None, fraction of weights held exactly).
-
-    First the blocks that reproduce `weight` bit for bit with fp16 d (and m), as a dequantized GGUF weight has:
-    m = the block's minimum, d = fp16((max - min) / 15) (Q4_1), d = fp16(max|w| / 127) (Q8_0), q by rounding,
-    then +-1 where that misses; a block that still differs is quantized from its min/max with fp32 d and m."""
-    if weight.dim() != 2 or weight.shape[1] % BLOCK:
-        raise UsageError(f"block quantization needs a 2-D weight with in_features % {BLOCK} == 0, got "
-                         f"{tuple(weight.shape)}.")
-    w = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
-    if scheme == "q4_1":
-        lo, hi = w.amin(-1), w.amax(-1)
-        d, m = ((hi - lo) / 15).half().float(), lo.half().float()
-        qmin, qmax = 0, 15
-    elif scheme == "q8_0":
-        amax = w.abs().amax(-1)
-        d, m = (amax / 127).half().float(), None
-        qmin, qmax = -127, 127
-    else:
-        raise UsageError(f"unknown block scheme {scheme!r}")
-
-    def recon(q, d, m):
-        return q * d[..., None] + (m[..., None] if m is not None else 0.0)
-
-    safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = torch.round((w - (m[..., None] if m is not None else 0.0)) / safe[..., None]).clamp(qmin, qmax)
-    for step in (1.0, -1.0):               # a rounding that landed one step off the stored q
-        miss = recon(q, d, m) != w
-        alt = (q + step).clamp(qmin, qmax)
-        q = torch.where(miss & (recon(alt, d, m) == w), alt, q)
-    exact = (recon(q, d, m) == w).all(-1)                            # [out, blocks]
-    if not bool(exact.all()):                                         # not blocks of a GGUF: plain min/max blocks
-        if scheme == "q4_1":
-            d2 = (w.amax(-1) - w.amin(-1)) / 15
-            m2 = w.amin(-1)
-        else:
-            d2, m2 = w.abs().amax(-1) / 127, None
-        safe2 = torch.where(d2 == 0, torch.ones_like(d2), d2)
-        q2 = torch.round((w - (m2[..., None] if m2 is not None else 0.0)) / safe2[..., None]).clamp(qmin, qmax)
-        q = torch.where(exact[..., None], q, q2)
-        d = torch.where(exact, d, d2)
-        m = torch.where(exact, m, m2) if m is not None else None
-    fraction = float((recon(q, d, m) == w).float().mean())
-    if scheme == "q4_1":
-        qi = q.to(torch.uint8)
-        qs = (qi[..., :16] | (qi[..., 16:] << 4)).contiguous()       # [out, blocks, 16]
-    else:
-        qs = q.to(torch.int8).contiguous()                            # [out, blocks, 32]
-    return qs, d.contiguous(), None if m is None else m.contiguous(), fraction
 
 
 class BlockLinear(nn.Module):
@@ -337,39 +275,3 @@ def save_quantized_model(model: nn.Module, out_dir, *, hf_config: dict, scheme: 
     (out_dir / "config.json").write_text(json.dumps({**hf_config, "specbuild_quantization": info}, indent=2,
                                                     sort_keys=True) + "\n")
     return {**info, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-
-
-def load_quantized_model(model_dir, *, dtype="float32", device="cpu") -> nn.Module:
-    """Load a directory written by ``save_quantized_model`` into the engine's ``Transformer``."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from specbuild.engines.embedded.model import ModelConfig, Transformer, rope_inv_freq
-    from specbuild.engines.embedded.weights import torch_dtype
-    from specbuild.pipeline.errors import SourceError
-
-    model_dir = Path(model_dir)
-    cfg_path = model_dir / "config.json"
-    info = json.loads(cfg_path.read_text()).get("specbuild_quantization") if cfg_path.is_file() else None
-    path = model_dir / (info or {}).get("weights", INT8_WEIGHTS)
-    if not info or not path.is_file():
-        raise SourceError(f"{model_dir} has no quantized weights + config.json: it is not a draft written by "
-                          "`specbuild build --draft-quantize int8|int4`; rebuild the engine.")
-    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
-    tensors = load_file(str(path))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    load_quantized_state_dict_(model, tensors)
-    dt = torch_dtype(dtype)
-    quantized = {n for n, m in model.named_modules() if isinstance(m, (Int8Linear, BlockLinear))}
-    rest = {k: (v.to(dt) if v.is_floating_point() else v) for k, v in tensors.items()
-            if k.rsplit(".", 1)[0] not in quantized}
-    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
-    missing = [k for k in missing if k.rsplit(".", 1)[0] not in quantized]
-    if missing or unexpected:
-        raise SourceError(f"{path}: tensors do not match the model config (missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]}); rebuild with `specbuild build --force`.")
-    model.inv_freq = rope_inv_freq(cfg)
-    return model.to(device).eval().requires_grad_(False)

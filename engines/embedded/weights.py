@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from specbuild.engines.embedded.model import ModelConfig, Transformer, rope_inv_freq
-from specbuild.pipeline.errors import SourceError
+from specbuild.core.errors import SourceError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -103,4 +103,38 @@ def load_model(model_dir: str | Path, *, dtype="float32", device="cpu") -> Trans
     model.inv_freq = rope_inv_freq(cfg)
     if cfg.tie_word_embeddings or out["lm_head.weight"] is out["embed.weight"]:
         model.lm_head.weight = model.embed.weight
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_quantized_model(model_dir, *, dtype="float32", device="cpu") -> "torch.nn.Module":
+    """Load a directory written by ``save_quantized_model`` into the engine's ``Transformer``."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from specbuild.engines.embedded.quant import (INT8_WEIGHTS, BlockLinear, Int8Linear,
+                                                  load_quantized_state_dict_)
+
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    info = json.loads(cfg_path.read_text()).get("specbuild_quantization") if cfg_path.is_file() else None
+    path = model_dir / (info or {}).get("weights", INT8_WEIGHTS)
+    if not info or not path.is_file():
+        raise SourceError(f"{model_dir} has no quantized weights + config.json: it is not a draft written by "
+                          "`specbuild build --draft-quantize int8|int4`; rebuild the engine.")
+    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    tensors = load_file(str(path))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    load_quantized_state_dict_(model, tensors)
+    dt = torch_dtype(dtype)
+    quantized = {n for n, m in model.named_modules() if isinstance(m, (Int8Linear, BlockLinear))}
+    rest = {k: (v.to(dt) if v.is_floating_point() else v) for k, v in tensors.items()
+            if k.rsplit(".", 1)[0] not in quantized}
+    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in quantized]
+    if missing or unexpected:
+        raise SourceError(f"{path}: tensors do not match the model config (missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}); rebuild with `specbuild build --force`.")
+    model.inv_freq = rope_inv_freq(cfg)
     return model.to(device).eval().requires_grad_(False)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 
-from specbuild.pipeline.errors import CheckFailed, UsageError
-from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
+from specbuild.core.errors import CheckFailed, UsageError
+from specbuild.core.stage import PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.checks import read_json, validate_engine_config

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from specbuild.pipeline.errors import CheckFailed
+from specbuild.core.errors import CheckFailed
 
 # SpeculativeDecodingMode bit flags as stored (an integer) in the engine's build_config.
 SPEC_MODE_BITS = {1: "none", 2: "draft_tokens_external", 4: "medusa", 8: "lookahead_decoding",

@@ -6,8 +6,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from specbuild.pipeline.constants import TOKENIZER_FILES as _TOKENIZER_FILES
-from specbuild.pipeline.errors import CheckFailed, SourceError, UsageError
+from specbuild.core.constants import TOKENIZER_FILES as _TOKENIZER_FILES
+from specbuild.core.errors import CheckFailed, SourceError, UsageError
 
 from specbuild.engines.trtllm import SUPPORTED_ARCHITECTURES
 from specbuild.engines.trtllm.checks import read_json
@@ -76,7 +76,7 @@ DEFAULT_OUTPUTS = {"target_checkpoint": "target", "draft_checkpoint": "draft", "
 
 def upstream_root(ctx) -> Path:
     """The upstream stage directory (its conventional place when a dry run has no upstream yet)."""
-    from specbuild.pipeline.stage import stage_dir
+    from specbuild.core.stage import stage_dir
     return Path(ctx.upstream_dir) if ctx.upstream_dir else stage_dir(ctx.workdir, PREVIOUS[ctx.stage])
 
 
@@ -106,8 +106,8 @@ def _earlier_manifest(ctx) -> tuple[str, dict | None]:
     whose build has not run, the convert stage."""
     if ctx.upstream is not None:
         return PREVIOUS[ctx.stage], ctx.upstream
-    from specbuild.pipeline.manifest import read_manifest
-    from specbuild.pipeline.stage import stage_dir
+    from specbuild.core.manifest import read_manifest
+    from specbuild.core.stage import stage_dir
     stage = PREVIOUS[ctx.stage]
     while stage:
         try:
@@ -169,7 +169,7 @@ def recorded_note(ctx, s: Settings) -> str:
 
 
 def stage_path(ctx, stage: str) -> Path:
-    from specbuild.pipeline.stage import stage_dir
+    from specbuild.core.stage import stage_dir
     return stage_dir(ctx.workdir, stage)
 
 
@@ -181,8 +181,8 @@ TRTLLM_CLI_DEFAULTS = {"dtype": "float16", "tp": 1, "pp": 1, "max_seq_len": 4096
 def cli_defaults(workdir, stage: str) -> dict[str, Any]:
     """Values for the trtllm options a user did not pass on the `stage` command line: those the earlier stage
     recorded in its manifest (dtype, tp, pp from convert), else the trtllm defaults."""
-    from specbuild.pipeline.manifest import read_manifest
-    from specbuild.pipeline.stage import stage_dir
+    from specbuild.core.manifest import read_manifest
+    from specbuild.core.stage import stage_dir
     out = dict(TRTLLM_CLI_DEFAULTS)
     prev = PREVIOUS.get(stage)
     while prev:

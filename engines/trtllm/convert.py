@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from specbuild.pipeline.errors import CheckFailed, UsageError
-from specbuild.pipeline.stage import PlanStep, StageContext, StageResult
+from specbuild.core.errors import CheckFailed, UsageError
+from specbuild.core.stage import PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.checks import check_vocab

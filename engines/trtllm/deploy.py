@@ -21,8 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from specbuild.pipeline.errors import CheckFailed, ToolNotAvailable, UsageError
-from specbuild.pipeline.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
+from specbuild.core.errors import CheckFailed, ToolNotAvailable, UsageError
+from specbuild.core.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.build import llm_api_options, to_yaml
@@ -102,7 +102,7 @@ def _models_root(s: Settings) -> Path:
     all_models/inflight_batcher_llm dir: the directory that holds inflight_batcher_llm/."""
     root = Path(s.backend_models_dir)
     if s.recipe.generation == ENGINE and not (root / "inflight_batcher_llm").is_dir():
-        from specbuild.engines.trtllm.upstream_facts import models_dir
+        from specbuild.core.upstream_facts import models_dir
         try:
             return models_dir(root).parent
         except FileNotFoundError:
@@ -198,7 +198,7 @@ def _has_python_models(s: Settings) -> bool:
 def inferred_note(s: Settings) -> str | None:
     """One line naming the facts of this deployment that were not read at the release's own commit."""
     if s.recipe.generation == ENGINE:
-        from specbuild.engines.trtllm.upstream_facts import inferred_facts
+        from specbuild.core.upstream_facts import inferred_facts
         facts = inferred_facts(s.recipe.backend_family) if s.recipe.backend_family else []
         what = f"the version-table family {s.recipe.backend_family}"
     else:
@@ -209,5 +209,5 @@ def inferred_note(s: Settings) -> str | None:
         return None
     listed = ", ".join(f"{f.get('id', f['fact'][:40])} ({f['exactness']})" for f in facts)
     return (f"TensorRT-LLM {s.recipe.trtllm_version}: {len(facts)} fact(s) of {what} are not read at the release's "
-            f"own commit: {listed}. Sources: engines/trtllm/upstream_facts.json and docs/deploying-on-gpus.md; "
+            f"own commit: {listed}. Sources: core/upstream_facts.json and docs/deploying-on-gpus.md; "
             "check them in the container before production.")

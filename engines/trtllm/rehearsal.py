@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-from specbuild.pipeline.errors import UsageError
-from specbuild.pipeline.stage import PlanStep
+from specbuild.core.errors import UsageError
+from specbuild.core.stage import PlanStep
 
 PLAN_FILE = "rehearsal_plan.json"
 MARKER = "REHEARSAL.json"

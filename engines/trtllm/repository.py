@@ -17,13 +17,12 @@ same release. `upstream_mismatches` refuses a container whose own configs differ
 from __future__ import annotations
 
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
-from specbuild.pipeline.errors import SpecbuildError
+from specbuild.core.errors import SpecbuildError
 
-from specbuild.engines.trtllm import upstream_facts
+from specbuild.core import upstream_facts
 from specbuild.engines.trtllm.settings import Settings
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -42,9 +41,7 @@ UPSTREAM_CONFIGS = {**{m: f"inflight_batcher_llm/{m}/config.pbtxt" for m in PYTH
 LLMAPI_PYTHON_MODELS = {"tensorrt_llm": "llmapi/tensorrt_llm/1"}
 
 
-def template(relpath: str) -> str:
-    root = resources.files("specbuild.model_repository") / "trtllm"
-    return (root / relpath).read_text()
+template = upstream_facts.template   # a packaged template's text, model_repository/trtllm/<relpath>
 
 
 def render(text: str, values: Mapping[str, Any], name: str = "template", *, keep_unset_parameters: bool = False) -> str:

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from specbuild.pipeline.errors import SpecbuildError, ToolNotAvailable
+from specbuild.core.errors import SpecbuildError, ToolNotAvailable
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 from specbuild.engines.trtllm.versions import Recipe, resolve
 

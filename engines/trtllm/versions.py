@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from specbuild.pipeline.errors import UsageError
+from specbuild.core.errors import UsageError
 
 ENGINE = "engine"
 LLMAPI = "llmapi"
@@ -70,7 +70,7 @@ class Recipe:
 
 def table_versions() -> list[str]:
     """Engine-path TensorRT-LLM versions whose tensorrtllm_backend release is in the version table."""
-    from specbuild.engines.trtllm.upstream_facts import supported_versions
+    from specbuild.core.upstream_facts import supported_versions
     return supported_versions()
 
 
@@ -79,7 +79,7 @@ def supported_matrix() -> str:
     lines = [
         "supported TensorRT-LLM combinations:",
         f"  engine path (trtllm-build + Triton inflight_batcher_llm BLS): TensorRT-LLM "
-        f"{', '.join(table_versions())} (the releases in the version table, engines/trtllm/upstream_facts.json); "
+        f"{', '.join(table_versions())} (the releases in the version table, core/upstream_facts.json); "
         f"containers: " + ", ".join(f"{fam}.x -> {tag.split(':')[-1]}" for fam, tag in ENGINE_CONTAINERS.items())
         + "; others need --container-tag; a version outside the table only with --force (its templates are then "
         "the nearest older family's, unverified); none from 1.3 on (the engine path was removed after 1.2.1)",
@@ -141,7 +141,7 @@ def resolve(requested: str | None = None, generation: str | None = None,
                          f"decoding.\n{supported_matrix()}")
     family, untested = None, False
     if gen == ENGINE:
-        from specbuild.engines.trtllm.upstream_facts import family_of, nearest_family
+        from specbuild.core.upstream_facts import family_of, nearest_family
         family = family_of(str(version))
         if family is None:
             if not force:
@@ -149,7 +149,7 @@ def resolve(requested: str | None = None, generation: str | None = None,
                                  f"so specbuild cannot write a repository known to match its Triton models. "
                                  f"Supported: {', '.join(table_versions())}. Pass --force to use the nearest older "
                                  f"family's templates unverified, or add the release to the table "
-                                 f"(python -m specbuild.engines.trtllm.upstream_facts extract ...).\n"
+                                 f"(python -m specbuild.core.upstream_facts extract ...).\n"
                                  f"{supported_matrix()}")
             family, untested = nearest_family(str(version)), True
     if container_tag:

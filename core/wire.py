@@ -14,7 +14,7 @@ load test's smoke request (`loadtests/target.py`). Three APIs:
         event = parse_line("kserve", raw)     # None for blank lines, comments, [DONE]
         if event: ... event.text, event.perf, event.error
 
-Request fields are the client contract's names (`specbuild.pipeline.contract`); `openai_fields` maps them
+Request fields are the client contract's names (`specbuild.core.contract`); `openai_fields` maps them
 to OpenAI's (`min_tokens` -> `min_tokens` + `ignore_eos`, `stop_words` -> `stop`; KServe-only fields are
 left out) and passes any other field through (a server's own extensions, e.g. llama.cpp's
 `speculative.n_max`). gRPC datatypes come from the contract, or for a TensorRT-LLM deployment from its
@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from specbuild.pipeline import contract
+from specbuild.core import contract
 
 KSERVE = "kserve"
 OPENAI_COMPLETIONS = "openai-completions"
@@ -111,12 +111,10 @@ def _declared_datatypes(target: str, model: str | None) -> dict[str, str]:
     once per (target, model), not per request (callers only read the dict)."""
     family = contract.trtllm_family(target)
     try:
-        from specbuild.engines.trtllm import upstream_facts
+        from specbuild.core import upstream_facts
 
         if target == contract.LLMAPI_TARGET:        # the llmapi model's config.pbtxt as specbuild deploys it
-            from specbuild.engines.trtllm.repository import template
-
-            declared = upstream_facts.extract_model(template("llmapi/tensorrt_llm/config.pbtxt"))["inputs"]
+            declared = upstream_facts.extract_model(upstream_facts.template("llmapi/tensorrt_llm/config.pbtxt"))["inputs"]
         elif family is None or model is None:
             return {}
         else:

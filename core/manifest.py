@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from specbuild import __version__
-from specbuild.pipeline.errors import ManifestError, SpecbuildError, UsageError
+from specbuild.core.errors import ManifestError, SpecbuildError, UsageError
 
 MANIFEST = "manifest.json"
 SCHEMA = 1

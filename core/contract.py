@@ -131,7 +131,7 @@ def _dtype_name(data_type: Any) -> str:
 # ---- TensorRT-LLM deployments: what each release's Triton models accept --------------------------------------
 # The embedded deployment implements the contract above. A TensorRT-LLM deployment serves upstream's own
 # ensemble / tensorrt_llm_bls of its release, whose inputs are in the version table
-# (engines/trtllm/upstream_facts.json: 0.18 and 0.19 read at the tensorrtllm_backend tags; 0.20 read at
+# (core/upstream_facts.json: 0.18 and 0.19 read at the tensorrtllm_backend tags; 0.20 read at
 # tensorrtllm_backend c2e65b8, the tree TensorRT-LLM's triton_backend/ started from; 0.21, 1.0, 1.1, 1.2 derived
 # by dated changes, each with its source and exactness). Differences a client must know:
 #
@@ -161,12 +161,12 @@ def trtllm_family(target: str) -> str | None:
 
 
 def trtllm_input_names(family: str, model: str) -> set[str]:
-    from specbuild.engines.trtllm.upstream_facts import input_names
+    from specbuild.core.upstream_facts import input_names
     return input_names(family, model)
 
 
 def trtllm_output_names(family: str, model: str) -> set[str]:
-    from specbuild.engines.trtllm.upstream_facts import output_names
+    from specbuild.core.upstream_facts import output_names
     return output_names(family, model)
 
 

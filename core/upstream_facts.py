@@ -14,9 +14,9 @@ checkout of a release tag (SPECBUILD_TRTLLM_BACKEND_DIR), that the table agrees 
 
 Refresh or add a release (on any machine with a checkout of the tag)::
 
-    python -m specbuild.engines.trtllm.upstream_facts extract --family 0.20 --tag v0.20.0 \
+    python -m specbuild.core.upstream_facts extract --family 0.20 --tag v0.20.0 \
         --commit <sha> <checkout>/all_models/inflight_batcher_llm      # updates upstream_facts.json
-    python -m specbuild.engines.trtllm.upstream_facts templates        # rewrites the template families
+    python -m specbuild.core.upstream_facts templates        # rewrites the template families
 """
 
 from __future__ import annotations
@@ -309,8 +309,8 @@ def _template_header(family: str, model: str) -> list[str]:
     else:
         first = (f"# specbuild template: tensorrtllm_backend {', '.join(fam['tags'])} {model} "
                  f"(facts read from {fam['tags'][0]}, commit {fam['commits'][fam['tags'][0]][:12]}).")
-    return [first, "# Generated from engines/trtllm/upstream_facts.json by "
-                   "`python -m specbuild.engines.trtllm.upstream_facts templates`; do not edit by hand."]
+    return [first, "# Generated from core/upstream_facts.json by "
+                   "`python -m specbuild.core.upstream_facts templates`; do not edit by hand."]
 
 
 def _template_scheduling(f: dict[str, Any], model: str) -> list[str]:
@@ -362,8 +362,12 @@ def template_path(family: str, model: str) -> str:
 
 
 def packaged_template(family: str, model: str) -> str:
-    root = resources.files("specbuild.model_repository") / TEMPLATE_ROOT
-    return (root / template_path(family, model)).read_text()
+    return template(template_path(family, model))
+
+
+def template(relpath: str) -> str:
+    """A packaged TensorRT-LLM template's text (`model_repository/trtllm/<relpath>`), read as package data."""
+    return (resources.files("specbuild.model_repository") / TEMPLATE_ROOT / relpath).read_text()
 
 
 def write_templates(root: Path) -> list[Path]:
@@ -378,7 +382,7 @@ def write_templates(root: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specbuild.engines.trtllm.upstream_facts")
+    ap = argparse.ArgumentParser(prog="python -m specbuild.core.upstream_facts")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("extract", help="read a release tag's model tree into the table")
     ex.add_argument("--family", required=True)
@@ -408,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         FACTS_FILE.write_text(json.dumps(data, indent=1) + "\n")
         table.cache_clear()
     else:
-        import specbuild.model_repository as mr
-        for p in write_templates(Path(mr.__file__).parent / TEMPLATE_ROOT):
+        # the templates' folder by path: the ground floor imports no other folder of the project
+        for p in write_templates(Path(__file__).resolve().parents[1] / "model_repository" / TEMPLATE_ROOT):
             print(p)
     return 0
 

@@ -1,6 +1,6 @@
 """Prometheus text format, parsed in one place (Triton's `:8002/metrics` and the `specbuild_*` families).
 
-    from specbuild.pipeline.metrics import parse_prometheus, metric_sum
+    from specbuild.core.metrics import parse_prometheus, metric_sum
     samples = parse_prometheus(httpx.get("http://127.0.0.1:8002/metrics").text)
     samples['nv_inference_count{model="ensemble",version="1"}']     # 12.0
     metric_sum(samples, "nv_inference_count")                        # every series of the family, summed

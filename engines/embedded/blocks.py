@@ -1,0 +1,72 @@
+"""GGUF's block layouts, Q4_1 and Q8_0, as plain tensor math: `quantize_blocks` (recovering exact blocks where a
+weight is their dequantization) and `dequantize_blocks`. The bottom of the numerics: the fused kernels' self-check
+and the quantized linears (`quant.py`) both stand on it."""
+
+from __future__ import annotations
+
+import torch
+
+from specbuild.core.errors import UsageError
+
+BLOCK = 32                               # weights per block (Q4_1, Q8_0)
+
+
+def dequantize_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, scheme: str) -> torch.Tensor:
+    """Blocks -> fp32 weight [out, in], computed as gguf-py does: (d * q) + m, each op rounded to fp32."""
+    if scheme == "q4_1":
+        q = torch.cat((qs & 15, qs >> 4), dim=-1).float()            # byte j: element j, then element j + 16
+        w = q * d[..., None] + m[..., None]
+    else:
+        w = qs.float() * d[..., None]
+    return w.reshape(w.shape[0], -1)
+
+
+def quantize_blocks(weight: torch.Tensor, scheme: str):
+    """fp weight [out, in] (in % 32 == 0) -> (qs, d, m or None, fraction of weights held exactly).
+
+    First the blocks that reproduce `weight` bit for bit with fp16 d (and m), as a dequantized GGUF weight has:
+    m = the block's minimum, d = fp16((max - min) / 15) (Q4_1), d = fp16(max|w| / 127) (Q8_0), q by rounding,
+    then +-1 where that misses; a block that still differs is quantized from its min/max with fp32 d and m."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise UsageError(f"block quantization needs a 2-D weight with in_features % {BLOCK} == 0, got "
+                         f"{tuple(weight.shape)}.")
+    w = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
+    if scheme == "q4_1":
+        lo, hi = w.amin(-1), w.amax(-1)
+        d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+        qmin, qmax = 0, 15
+    elif scheme == "q8_0":
+        amax = w.abs().amax(-1)
+        d, m = (amax / 127).half().float(), None
+        qmin, qmax = -127, 127
+    else:
+        raise UsageError(f"unknown block scheme {scheme!r}")
+
+    def recon(q, d, m):
+        return q * d[..., None] + (m[..., None] if m is not None else 0.0)
+
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round((w - (m[..., None] if m is not None else 0.0)) / safe[..., None]).clamp(qmin, qmax)
+    for step in (1.0, -1.0):               # a rounding that landed one step off the stored q
+        miss = recon(q, d, m) != w
+        alt = (q + step).clamp(qmin, qmax)
+        q = torch.where(miss & (recon(alt, d, m) == w), alt, q)
+    exact = (recon(q, d, m) == w).all(-1)                            # [out, blocks]
+    if not bool(exact.all()):                                         # not blocks of a GGUF: plain min/max blocks
+        if scheme == "q4_1":
+            d2 = (w.amax(-1) - w.amin(-1)) / 15
+            m2 = w.amin(-1)
+        else:
+            d2, m2 = w.abs().amax(-1) / 127, None
+        safe2 = torch.where(d2 == 0, torch.ones_like(d2), d2)
+        q2 = torch.round((w - (m2[..., None] if m2 is not None else 0.0)) / safe2[..., None]).clamp(qmin, qmax)
+        q = torch.where(exact[..., None], q, q2)
+        d = torch.where(exact, d, d2)
+        m = torch.where(exact, m, m2) if m is not None else None
+    fraction = float((recon(q, d, m) == w).float().mean())
+    if scheme == "q4_1":
+        qi = q.to(torch.uint8)
+        qs = (qi[..., :16] | (qi[..., 16:] << 4)).contiguous()       # [out, blocks, 16]
+    else:
+        qs = q.to(torch.int8).contiguous()                            # [out, blocks, 32]
+    return qs, d.contiguous(), None if m is None else m.contiguous(), fraction
