@@ -39,6 +39,9 @@ from specbuild.engines.embedded.config import ADAPTIVE, ADAPTIVE_K
 from specbuild.engines.embedded.calibrate import forward_probe, time_interleaved
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
 from specbuild.core.paths import cache_dir
+from specbuild.core.machine import describe  # noqa: E402
+from specbuild.engines.embedded.fused import status as fused_status  # noqa: E402
+from specbuild.engines.embedded.step import linear_kernel_of  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import engine_dir  # noqa: E402  (the same build recipe and workspace)
@@ -155,7 +158,9 @@ def main(argv=None) -> int:
     result = summarize(raw, args, calibrations)
     result["policy_spec_max_concurrency"] = policy_cutoff
     result.update(seconds=time.perf_counter() - t_start, load_avg_before=load_before, load_avg_after=os.getloadavg(),
-                  threads=torch.get_num_threads(), cpu_count=os.cpu_count())
+                  threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+                  machine=describe(), kernels={"decode_step": engine.decode_step, "linear_kernel": linear_kernel_of(engine.target),
+                           "fused_extension": fused_status()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)

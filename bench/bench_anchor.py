@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -37,6 +36,9 @@ from bench_engine import KINDS, engine_dir, log, prompts  # noqa: E402  (the sam
 
 from specbuild.engines.embedded import Engine, EngineConfig, SamplingParams  # noqa: E402
 from specbuild.core.paths import cache_dir  # noqa: E402
+from specbuild.core.machine import describe  # noqa: E402
+from specbuild.engines.embedded.fused import status as fused_status  # noqa: E402
+from specbuild.engines.embedded.step import linear_kernel_of  # noqa: E402
 
 LLAMACPP = "llama.cpp-11434"
 _DECODED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds")
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
             log(f"run {r + 1}/{args.runs} {kind}: " + ", ".join(f"{m} {raw[m][kind][-1]:.1f}" for m in methods)
                 + " tok/s")
     result = summarize(raw, acc, args)
-    result.update(machine=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+    result.update(machine=describe(), kernels={"decode_step": engine.decode_step, "linear_kernel": linear_kernel_of(engine.target),
+                           "fused_extension": fused_status()}, cpu_count=os.cpu_count(),
                   cpu_flags=_cpu_flags(), load_avg_before=load_before, load_avg_after=os.getloadavg(),
                   seconds=time.time() - t_start, decode_step=engine.decode_step,
                   llamacpp=json.loads((d / "BUILD.json").read_text()).get("package"),

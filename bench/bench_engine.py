@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +35,9 @@ from specbuild.engines.embedded.kernels import onednn_available
 from specbuild.engines.embedded.quant import quantize_model_
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
 from specbuild.pipeline.sources import cache_dir, resolve
+from specbuild.core.machine import describe  # noqa: E402
+from specbuild.engines.embedded.fused import status as fused_status  # noqa: E402
+from specbuild.engines.embedded.step import linear_kernel_of  # noqa: E402
 
 MODEL = "demo:smollm2-135m-instruct"
 KINDS = ("chat", "code", "summ")
@@ -276,7 +278,8 @@ def summarize(engine: Engine, m: dict, *, runs: int, tokens: int, k: int, k_ngra
         "model": MODEL, "draft": "SmolLM2-135M-Instruct int4 self-draft (the GGUF's own Q4_1 / Q8_0 blocks)",
         "runs": runs, "tokens": tokens, "prompts": list(KINDS), "k": k, "k_ngram": k_ngram,
         "decode_step": engine.decode_step, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "machine": platform.processor(),
+        "machine": describe(), "kernels": {"decode_step": engine.decode_step, "linear_kernel": linear_kernel_of(engine.target),
+                    "fused_extension": fused_status()},
         "memory_read_gbs": bw["read_gbs"], "memory_copy_gbs": bw["copy_gbs"], "target_weight_bytes": weight_bytes,
         "hf_generate_tok_s": med("hf_generate"), "hf_assisted_tok_s": med("hf_assisted"),
         "engine_tok_s": med("off"), "engine_draft_tok_s": med("draft"), "engine_ngram_tok_s": med("ngram"),

@@ -38,6 +38,9 @@ from bench_engine import engine_dir, log  # noqa: E402  (the same build recipe a
 from specbuild.engines.embedded import Engine, SamplingParams  # noqa: E402
 from specbuild.loadtests.promptsets import chat_prompts  # noqa: E402
 from specbuild.core.paths import cache_dir  # noqa: E402
+from specbuild.core.machine import describe  # noqa: E402
+from specbuild.engines.embedded.fused import status as fused_status  # noqa: E402
+from specbuild.engines.embedded.step import linear_kernel_of  # noqa: E402
 
 MODES = ("off", "default", "forced")
 CHAT_USERS = (1, 2, 4)
@@ -160,6 +163,8 @@ def main(argv=None) -> int:
                                                   k=mode_k(m, forced_k)))
             log(f"run {r + 1}/{runs} cell {cells}/{cells} batch x{BATCH_USERS}: "
                 + ", ".join(f"{m} {raw['batch'][m][-1]['tok_s']:.1f} tok/s" for m in MODES))
+        kernels = {"decode_step": engine.decode_step, "linear_kernel": linear_kernel_of(engine.target),
+                   "fused_extension": fused_status()}
     finally:
         engine.shutdown()
     result = summarize(raw, runs)
@@ -167,7 +172,8 @@ def main(argv=None) -> int:
                   chat_tokens=tokens, batch_tokens=btokens, chat_requests_per_user=per_user,
                   batch_users=BATCH_USERS, max_batch_size=engine.config.max_batch_size,
                   threads=torch.get_num_threads(), cpu_count=os.cpu_count(), load_avg_before=load_before,
-                  load_avg_after=os.getloadavg(), seconds=time.time() - t_start, raw=raw)
+                  load_avg_after=os.getloadavg(), seconds=time.time() - t_start, machine=describe(),
+                  kernels=kernels, raw=raw)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)

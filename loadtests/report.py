@@ -16,6 +16,7 @@ from typing import Any
 
 from specbuild.loadtests import export, stalls
 from specbuild.loadtests.runner import CellResult
+from specbuild.core.machine import one_line
 
 PERCENTILES = (50, 90, 95, 99)
 LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
@@ -201,8 +202,7 @@ def _header(report: dict[str, Any]) -> list[str]:
              f"- status: {report['status']}"]
     machine = report.get("machine") or {}
     if machine:
-        lines.append(f"- machine: {machine.get('platform')}, {machine.get('cpu_count')} CPUs, load generator on "
-                     f"CPUs {machine.get('cpu_affinity')}")
+        lines.append(f"- machine: {one_line(machine)}, load generator on CPUs {machine.get('cpu_affinity')}")
     if report.get("sweep"):
         lines.append("- sweep: " + "; ".join(f"{p} {s['param']} = {', '.join(f'{v:g}' for v in s['values'])}"
                                             for p, s in report["sweep"].items()))

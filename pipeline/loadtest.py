@@ -42,7 +42,7 @@ from specbuild.loadtests.session import (OPTIONAL_INPUTS, Session, default_metri
 from specbuild.pipeline.deployment import deployment, deployment_max_seq_len, resolve_tokenizer  # noqa: F401
 from specbuild.loadtests.settings import parse_compare, parse_settings  # noqa: F401  (public API)
 from specbuild.loadtests.sweep import ENDPOINT_FIELDS, Run, first_at, plan, sweep_summary
-from specbuild.core import wire
+from specbuild.core import machine, wire
 from specbuild.core.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
 from specbuild.core.errors import SpecbuildError, UsageError
 from specbuild.core.manifest import Manifest, stage_output, write_manifest
@@ -339,7 +339,7 @@ def _prepare(cfg: LoadtestConfig, say) -> tuple[list[Run], dict, dict[str, Any]]
         "sweep": sweep_summary(runs),
         "prompts": {"file": str(cfg.prompts), "format": cfg.prompts_format, "lengths": cfg.lengths,
                     "records": len(session.records)} if cfg.prompts else None,
-        "machine": _machine(),
+        "machine": machine.describe(),
     }
     return runs, sessions, report
 
@@ -360,18 +360,6 @@ def _records(cfg: LoadtestConfig):
 
     counter = TokenCounter(resolve_tokenizer(cfg.tokenizer, Path(cfg.workdir)))
     return load_prompt_file(cfg.prompts, cfg.prompts_format, counter=counter, seed=cfg.seed)
-
-
-def _machine() -> dict[str, Any]:
-    import os
-    import platform
-
-    try:
-        affinity = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        affinity = None
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "cpu_affinity": affinity, "host": platform.node()}
 
 
 def _measure(cfg: LoadtestConfig, runs: list[Run], sessions: dict, report: dict[str, Any], tmp: Path, say) -> bool:

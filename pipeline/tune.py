@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,8 +160,9 @@ def proposers_to_sweep(proposers: tuple[str, ...], inputs, engine: dict[str, Any
 
 
 def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "specbuild": __version__, "host": platform.node()}
+    from specbuild.core.machine import describe
+
+    return {**describe(), "specbuild": __version__}
 
 
 @dataclass
