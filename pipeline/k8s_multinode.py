@@ -75,8 +75,7 @@ def leader_worker_set(*, name: str, namespace: str, lab: dict, selector: dict, t
     worker = copy.deepcopy(template)
     lc = leader["spec"]["containers"][0]
     argv = launch.get("triton_argv") or launch["argv"]
-    from specbuild.pipeline.kubernetes import pod_argv
-    lc["command"] = leader_command(pod_argv(argv, layout["workdir"]), pods=pods, slots=slots, world=world)
+    lc["command"] = leader_command(k.pod_argv(argv, layout["workdir"]), pods=pods, slots=slots, world=world)
     pod_name = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
     for pod in (leader, worker):
         c = pod["spec"]["containers"][0]

@@ -7,6 +7,7 @@ capabilities dropped, RuntimeDefault seccomp) and a read-only root filesystem: t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -51,6 +52,22 @@ def restricted_flags() -> list[str]:
     value = f"{ADMIN_HEADER}=$({ADMIN_ENV})"
     return [f"--http-restricted-api={RESTRICTED_APIS}:{value}",
             f"--grpc-restricted-protocol={RESTRICTED_APIS}:{value}"]
+
+
+def pod_argv(argv: list[str], workdir: Path) -> list[str]:
+    """A launch.json argv for the pod: the workdir -> WORK, every address -> 0.0.0.0 (the NetworkPolicy is the
+    boundary), Triton's admin APIs restricted on every tritonserver of the launch."""
+    old = str(workdir.resolve())
+    out: list[str] = []
+    for arg in argv:
+        arg = arg.replace(old, WORK)
+        for flag in ("--http-address=", "--grpc-address=", "--metrics-address="):
+            if arg.startswith(flag):
+                arg = flag + "0.0.0.0"
+        out.append(arg)
+        if arg.startswith("--model-repository="):
+            out += restricted_flags()
+    return out
 
 
 def probes(startup_failures: int = 90) -> dict[str, Any]:
@@ -100,13 +117,16 @@ def fetch_init_container(artifacts: str, overlay: dict[str, str], secret: str | 
         volumes.append({"name": "artifacts", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "artifacts", "mountPath": "/artifacts", "readOnly": True,
                        **({"subPath": sub} if sub else {})})
-        script += [f"cp -R /artifacts/{d} {WORK}/{d}" for d in dirs]
+        # rm first: a pod sandbox recreated on the same node re-runs this over the kept emptyDir
+        script += [f"rm -rf {WORK}/{d} && cp -R /artifacts/{d} {WORK}/{d}" for d in dirs]
     else:
         image = AWS_CLI
         url = artifacts.rstrip("/")
-        script += [f"aws s3 sync --only-show-errors {url}/{d} {WORK}/{d}" for d in dirs]
+        script += [f"aws s3 sync --only-show-errors --delete {url}/{d} {WORK}/{d}" for d in dirs]
         if secret:   # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_REGION (or IRSA: no secret at all)
             env_from.append({"secretRef": {"name": secret}})
+    script.append(f"test -f {WORK}/model_repository/manifest.json || {{ echo 'no model_repository/manifest.json "
+                  f"under {artifacts}: copy the workdir (engines/, model_repository/) there' >&2; exit 1; }}")
     if overlay:
         volumes.append({"name": "overlay", "configMap": {"name": "", "defaultMode": 0o444}})   # name set by caller
         mounts.append({"name": "overlay", "mountPath": OVERLAY, "readOnly": True})

@@ -24,14 +24,13 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from specbuild.core.errors import UsageError
 from specbuild.core.manifest import Manifest, read_manifest, stage_output, write_manifest
 from specbuild.pipeline import k8s_objects as k
-from specbuild.pipeline.k8s_objects import MOUNT, PORTS, WORK
+from specbuild.pipeline.k8s_objects import MOUNT, PORTS, WORK, pod_argv
 
 CLIENT_LABEL = ("specbuild/client", "true")
 MONITORING = ("kubernetes.io/metadata.name", "monitoring")
@@ -100,18 +99,22 @@ def scale_threshold(workdir: Path, report: Path | None, scale_at: int | None, fa
         values = [c["crossover"]["value"] for c in data.get("curves") or []
                   if c.get("param") in ("users", "concurrency") and (c.get("crossover") or {}).get("value")]
         if not values:
-            raise UsageError(f"--report {report} has no measured crossover over users/concurrency (a sweep with a "
-                             "baseline: `specbuild loadtest --sweep users=... --baseline off`); pass --scale-at N.")
+            raise UsageError(f"--report {report} has no measured crossover over users (a sweep whose first setting "
+                             "is the baseline: `specbuild loadtest --sweep users=1,2,4,8 --setting off:num_draft_tokens=0 "
+                             "--setting policy:default`); pass --scale-at N.")
         return max(1, int(min(values))), f"{report}: the load test's crossover"
     cfg = workdir / "engines" / "engine_config.json"
+    data = {}
     if cfg.is_file():
         try:
-            smc = (json.loads(cfg.read_text()).get("policy") or {}).get("max_concurrency")
+            data = json.loads(cfg.read_text())
         except ValueError:
-            smc = None
+            data = {}
+        smc = (data.get("policy") or {}).get("max_concurrency")
         if smc:
             return int(smc), f"{cfg}: the build's measured spec_max_concurrency"
-    return fallback, "no measured crossover: the max batch size (pass --report or --scale-at)"
+    batch = int(data.get("max_batch_size") or fallback)
+    return batch, f"no measured crossover: the max batch size {batch} (pass --report or --scale-at)"
 
 
 def _trtllm_layout(deployed: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -142,22 +145,6 @@ def embedded_command() -> list[str]:
             "--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0", f"--http-port={PORTS['http']}",
             f"--grpc-port={PORTS['grpc']}", f"--metrics-port={PORTS['metrics']}", "--allow-metrics=true",
             "--exit-timeout-secs=30", *k.restricted_flags()]
-
-
-def pod_argv(argv: list[str], workdir: Path) -> list[str]:
-    """A launch.json argv for the pod: the workdir -> WORK, every address -> 0.0.0.0 (the NetworkPolicy is the
-    boundary), Triton's admin APIs restricted on every tritonserver of the launch."""
-    old = str(workdir.resolve())
-    out: list[str] = []
-    for arg in argv:
-        arg = arg.replace(old, WORK)
-        for flag in ("--http-address=", "--grpc-address=", "--metrics-address="):
-            if arg.startswith(flag):
-                arg = flag + "0.0.0.0"
-        out.append(arg)
-        if arg.startswith("--model-repository="):
-            out += k.restricted_flags()
-    return out
 
 
 def render(*, name: str, backend: str, image: str, workdir: Path, artifacts: str = "pvc:specbuild-work",
@@ -313,10 +300,6 @@ def write(workdir: str | Path, *, image: str | None = None, name: str = "specbui
                    "autoscaling": {"threshold": scaled["spec"]["triggers"][0]["metadata"]["threshold"],
                                    "source": scaled["metadata"]["annotations"]["specbuild/threshold-source"]}}))
     return out
-
-
-def groups(gpus: int, gpus_per_node: int) -> int:
-    return math.ceil(gpus / gpus_per_node)
 
 
 __all__ = ["render", "write", "relocate", "pod_argv", "scale_threshold", "MOUNT"]
