@@ -229,8 +229,10 @@ def render(*, name: str, backend: str, image: str, workdir: Path, artifacts: str
                                                   monitoring=MONITORING, group_ports=[] if multinode else None)
     where = f'namespace="{namespace}",pod=~"{name}-.*"'
     if backend == "trtllm":
-        demand = (f'sum(nv_trt_llm_request_metrics{{{where},model="tensorrt_llm",request_type="active"}}) + '
-                  f'sum(nv_inference_pending_request_count{{{where},model=~"ensemble|tensorrt_llm_bls"}}) or vector(0)')
+        # each side `or vector(0)`: a family with no series yet must not blank the sum
+        demand = (f'(sum(nv_trt_llm_request_metrics{{{where},model="tensorrt_llm",request_type="active"}}) '
+                  f'or vector(0)) + (sum(nv_inference_pending_request_count{{{where},'
+                  f'model=~"ensemble|tensorrt_llm_bls"}}) or vector(0))')
         metric = "nv_trt_llm_request_metrics"
     else:
         demand = f"sum(specbuild_live_requests{{{where}}}) or vector(0)"
