@@ -53,20 +53,39 @@ def _trtllm_options(f):
                    "clients that vanished unheard; 0 = no limit (embedded only). Default: the build's, 600.")
 @_trtllm_options
 @click.option("--kubernetes", is_flag=True, default=False,
-              help="Also write WORKDIR/kubernetes/ (Deployment with health probes and Prometheus annotations, "
-                   "Service). The pod mounts the workspace PVC at the same absolute path.")
+              help="Also write WORKDIR/kubernetes/: Deployment (or LeaderWorkerSet across nodes), Service, "
+                   "PodDisruptionBudget, NetworkPolicy, KEDA ScaledObject, relocated configs; see "
+                   "docs/deploying-on-gpus.md#scale-out.")
 @click.option("--image", default=None,
-              help="Container image for --kubernetes (default for trtllm: the recipe's container; required for "
-                   "embedded: an image with tritonserver and specbuild installed).")
-@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, help="Pods for --kubernetes.")
-@click.option("--pvc", default="specbuild-work", show_default=True,
-              help="PersistentVolumeClaim holding the workspace, for --kubernetes.")
+              help="Container image for --kubernetes (default for trtllm: the release container; required for "
+                   "embedded: built from docker/embedded.Dockerfile; across nodes: docker/trtllm-multinode.Dockerfile).")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Replicas for --kubernetes (also the autoscaler's minimum).")
+@click.option("--max-replicas", type=click.IntRange(min=1), default=4, show_default=True,
+              help="The autoscaler's maximum replicas, for --kubernetes.")
+@click.option("--artifacts", default="pvc:specbuild-work", show_default=True,
+              help="Where the pods copy WORKDIR's engines/ and model_repository/ from, for --kubernetes: "
+                   "pvc:CLAIM[/SUBDIR] or s3://BUCKET/PREFIX.")
+@click.option("--artifacts-secret", default=None,
+              help="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_REGION) for --artifacts s3://... "
+                   "(leave out with IAM roles for service accounts).")
+@click.option("--namespace", default="default", show_default=True, help="Namespace of the --kubernetes manifests.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+              help="GPUs of one node, for --kubernetes: a trtllm deployment needing more becomes a LeaderWorkerSet.")
+@click.option("--scale-at", type=click.IntRange(min=1), default=None,
+              help="Requests in flight per replica at which the autoscaler adds one, for --kubernetes. Default: "
+                   "--report's measured crossover, else the build's spec_max_concurrency.")
+@click.option("--report", "loadtest_report", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A load-test report.json with a users sweep against a baseline: its crossover sets --scale-at.")
+@click.option("--prometheus", default="http://prometheus-operated.monitoring.svc:9090", show_default=True,
+              help="Prometheus the KEDA ScaledObject queries, for --kubernetes.")
 @trtllm_generation_option
 @rehearse_option
 @dry_run_option
 @force_option
 def deploy_command(workdir, backend, max_batch_size, device, threads, max_queue_size, queue_timeout, request_timeout,
-                   fast_logits, kubernetes, image, replicas, pvc, trtllm_generation, rehearse, dry_run, force,
+                   fast_logits, kubernetes, image, replicas, max_replicas, artifacts, artifacts_secret, namespace,
+                   gpus_per_node, scale_at, loadtest_report, prometheus, trtllm_generation, rehearse, dry_run, force,
                    **trtllm):
     """Package WORKDIR/engines/ into a Triton model repository in WORKDIR/model_repository/.
 
@@ -84,10 +103,11 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, max_queue_
       specbuild deploy --backend trtllm --target-gpu-ids 0 --draft-gpu-ids 0 --fast-logits --dry-run
       specbuild deploy --backend trtllm --rehearse     # then: specbuild serve --rehearse --backend-models-dir DIR
       specbuild deploy --kubernetes --image registry.example.com/specbuild:0.1 --replicas 2
+      specbuild deploy --kubernetes --image registry.example.com/specbuild:0.1 --artifacts s3://bucket/work
     """
     if kubernetes and backend == "embedded" and not image:
-        raise UsageError("--kubernetes with the embedded backend needs --image: an image with tritonserver and "
-                         "specbuild installed (e.g. built FROM nvcr.io/nvidia/tritonserver:<yy.mm>-py3).")
+        raise UsageError("--kubernetes with the embedded backend needs --image: build docker/embedded.Dockerfile "
+                         "(`docker build -f docker/embedded.Dockerfile -t REGISTRY/specbuild:TAG .`) and push it.")
     extra = {k: v for k, v in trtllm.items() if v is not None}
     if fast_logits:
         extra["fast_logits"] = True
@@ -118,8 +138,17 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, max_queue_
     if kubernetes:
         from specbuild.pipeline.kubernetes import write
 
-        out = write(workdir, image=image, name="specbuild", claim=pvc, replicas=replicas)
-        click.echo(f"  kubernetes: {out} (kubectl apply -f {out})")
+        out = write(workdir, image=image, name="specbuild", artifacts=artifacts, artifacts_secret=artifacts_secret,
+                    namespace=namespace, replicas=replicas, max_replicas=max_replicas, gpus_per_node=gpus_per_node,
+                    report=loadtest_report, scale_at=scale_at, prometheus=prometheus)
+        import json
+
+        extra = json.loads((out / "manifest.json").read_text()).get("extra", {})
+        click.echo(f"  kubernetes: {out}")
+        click.echo(f"    autoscaling: a replica per {extra['autoscaling']['threshold']} requests in flight "
+                   f"({extra['autoscaling']['source']})")
+        click.echo(f"    first: {extra['admin_secret']}")
+        click.echo(f"    then:  {extra['apply']}")
     if result.manifest.get("extra", {}).get("rehearsal"):
         click.echo(f"  next: specbuild serve --rehearse --backend-models-dir DIR --workdir {workdir}")
     else:
