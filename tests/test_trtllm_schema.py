@@ -339,3 +339,25 @@ def test_the_shipped_schema_agrees_with_what_the_extractor_reads_from_its_own_re
     for name in ("DecodingBaseConfig", "KvCacheConfig"):
         assert got["classes"][name]["fields"] == f["classes"][name]["fields"], name
     assert got["classes"]["DecodingBaseConfig"]["aliases"] == f["classes"]["DecodingBaseConfig"]["aliases"]
+
+
+def test_standin_loads_our_model_yaml_as_upstream_model_py_does(tmp_path, opts, tiny_llama_draft, monkeypatch):
+    """model.py: yaml -> drop triton_config -> update_llm_args_with_extra_dict({}, cfg) -> LLM(**args), on the
+    default release (the per-release argument rules are test_llmapi_standin_refuses_exactly_what_the_release_refuses)."""
+    version = "1.2.1"
+    from specbuild.engines.trtllm import llmapi_standin as sa
+    monkeypatch.setattr(sa, "version", lambda: version)
+    monkeypatch.setattr(sa, "rehearsal_config", lambda: {"max_batch_size": 1, "max_seq_len": 64})
+    files = written(deploy.plan(context("deploy", tmp_path, {**opts, "trtllm_version": version})))
+    cfg = yaml.safe_load(files[str(tmp_path / "model_repository" / "triton" / "tensorrt_llm" / "1" / "model.yaml")])
+    cfg.pop("triton_config")
+    llm = sa.LLM(**sa.update_llm_args_with_extra_dict({}, cfg))
+    try:
+        assert llm.max_draft_len == 4 and llm.args["speculative_config"].draft_dir == str(tiny_llama_draft)
+        assert llm.generate("Hello", sa.SamplingParams(max_tokens=4, temperature=0.0)).outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    # what the project wrote before on 1.2: refused at start-up, as by the release
+    cfg["speculative_config"]["decoding_type"] = "Draft_Target"
+    with pytest.raises(ValueError, match="^Invalid decoding type: Draft_Target$"):
+        sa.update_llm_args_with_extra_dict({}, cfg)
