@@ -74,7 +74,7 @@ def test_release_differences_are_where_the_table_says():
     for old in ("0.18", "0.19"):
         assert {"random_seed", "min_length"} <= names(old, "tensorrt_llm_bls")
     assert [f["id"] for f in upstream_facts.inferred_facts("1.2")] == [
-        "bls-loop", "container", "bls-token-counts", "length-penalty-ignored", "prompt-embedding-table-data-type",
+        "bls-loop", "container", "no-container-1.2.0", "bls-token-counts", "length-penalty-ignored", "prompt-embedding-table-data-type",
         "pixtral-image-sizes", "token-counts", "release-configs"]
     assert upstream_facts.inferred_facts("0.18") == []
 
