@@ -40,7 +40,7 @@ _TRITON = {"id": "triton-llmapi-config", "fact": "Triton llmapi config.pbtxt: te
            "exactness": "inferred",
            "source": "NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt @c8c6df08 (stored, "
                      "content exact; release unknown: the documentation pages do not render triton_backend)"}
-# PR #5448 "Disable block reuse when draft model speculation is being used" (merged 2025-06, before the release/1.0
+# PR #5448 "Disable block reuse when draft model speculation is being used" (2025-06-24, merged; before the release/1.0
 # cut 2025-08-07..16): the PyTorch executor turns KV-cache block reuse off, with a warning, when a drafter is used.
 # Its code lives in _torch/pyexecutor, which the documentation pages do not render: dated, not read at a release.
 BLOCK_REUSE = {"id": "block-reuse-off", "fact": "kv_cache_config.enable_block_reuse has no effect on the draft-target "
