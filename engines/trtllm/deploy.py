@@ -204,10 +204,11 @@ def inferred_note(s: Settings) -> str | None:
     else:
         from specbuild.engines.trtllm.llmapi import inferred_facts as llmapi_inferred
         facts = llmapi_inferred(s.recipe.trtllm_version)
-        what = "the LLM-API field names"
+        what = "the LLM-API path"
     if not facts:
         return None
     listed = ", ".join(f"{f.get('id', f['fact'][:40])} ({f['exactness']})" for f in facts)
     return (f"TensorRT-LLM {s.recipe.trtllm_version}: {len(facts)} fact(s) of {what} are not read at the release's "
-            f"own commit: {listed}. Sources: core/upstream_facts.json and docs/deploying-on-gpus.md; "
+            f"own commit: {listed}. Sources: core/upstream_facts.json, core/trtllm_schema.json and "
+            "docs/deploying-on-gpus.md; "
             "check them in the container before production.")
