@@ -105,9 +105,9 @@ def test_llmapi_build_writes_speculative_config_yaml(tmp_path, opts, tiny_llama_
     yaml = written(steps)[str(tmp_path / "engines" / "llm_api_options.yaml")]
     assert ("speculative_config:\n  decoding_type: \"DraftTarget\"\n  max_draft_len: 5\n"
             f"  speculative_model_dir: \"{tiny_llama_draft}\"\n") in yaml
-    # with a draft model upstream turns block reuse off (PR #5448): the YAML says false, and why
-    assert "kv_cache_config:\n  enable_block_reuse: false\n" in yaml
-    assert "PR #5448" in yaml and "enable_block_reuse: true" not in yaml
+    # with a draft model upstream turns block reuse off (PR #5448): not presented as a setting, and the YAML says why
+    assert "kv_cache_config:\n  free_gpu_memory_fraction: 0.5\n" in yaml      # one GPU shared with the draft
+    assert "PR #5448" in yaml and "enable_block_reuse:" not in yaml
     assert "disable_overlap_scheduler: true" in yaml
 
 

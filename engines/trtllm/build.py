@@ -92,10 +92,10 @@ def llm_api_options(s: Settings, draft_dir: Path) -> dict[str, Any]:
         "max_num_tokens": s.max_num_tokens,
         "max_seq_len": s.max_seq_len,
         "disable_overlap_scheduler": True,
-        # false, not true: with a draft model the PyTorch executor turns block reuse off anyway, with a warning
-        # (NVIDIA/TensorRT-LLM PR #5448), so true would only promise what the server does not do.
-        "kv_cache_config": {"enable_block_reuse": False,
-                            "free_gpu_memory_fraction": s.kv_cache_free_gpu_mem_fraction},
+        # enable_block_reuse is left to the release: with a draft model TensorRT-LLM turned block reuse off with a
+        # warning (PR #5448), and which 1.x releases still do is not read at a release commit, so specbuild does
+        # not present it as a setting.
+        "kv_cache_config": {"free_gpu_memory_fraction": s.kv_cache_free_gpu_mem_fraction},
         "speculative_config": speculative_config(s.recipe.trtllm_version, max_draft_len=s.max_draft_len,
                                                  draft_dir=str(draft_dir)),
     }
@@ -104,8 +104,8 @@ def llm_api_options(s: Settings, draft_dir: Path) -> dict[str, Any]:
 LLM_API_YAML_HEADER = (
     "# LLM() arguments for draft-target speculative decoding (TensorRT-LLM {version}, PyTorch backend), checked\n"
     "# against the release's own source ({source}).\n"
-    "# kv_cache_config.enable_block_reuse is false: with a draft model TensorRT-LLM turns KV-cache block reuse\n"
-    "# off (with a warning; NVIDIA/TensorRT-LLM PR #5448), so true would not take effect.\n")
+    "# kv_cache_config.enable_block_reuse is not set: with a draft model TensorRT-LLM turns KV-cache block reuse\n"
+    "# off with a warning (NVIDIA/TensorRT-LLM PR #5448), so it is not a setting to rely on here.\n")
 
 
 def llm_api_yaml(s: Settings, draft_dir: Path) -> str:

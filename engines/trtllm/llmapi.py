@@ -43,9 +43,10 @@ _TRITON = {"id": "triton-llmapi-config", "fact": "Triton llmapi config.pbtxt: te
 # PR #5448 "Disable block reuse when draft model speculation is being used" (2025-06-24, merged; before the release/1.0
 # cut 2025-08-07..16): the PyTorch executor turns KV-cache block reuse off, with a warning, when a drafter is used.
 # Its code lives in _torch/pyexecutor, which the documentation pages do not render: dated, not read at a release.
-BLOCK_REUSE = {"id": "block-reuse-off", "fact": "kv_cache_config.enable_block_reuse has no effect on the draft-target "
-               "path: the PyTorch executor turns block reuse off with a warning when a draft model is used, so "
-               "specbuild writes false", "exactness": "inferred",
+BLOCK_REUSE = {"id": "block-reuse-off", "fact": "kv_cache_config.enable_block_reuse is not a setting on the draft-target "
+               "path: the PyTorch executor turned block reuse off with a warning when a draft model is used; whether "
+               "each 1.x release still does was not read (the 1.0 notes list 'two-model engine KV cache reuse'), so "
+               "specbuild leaves it to the release", "exactness": "inferred",
                "source": "PR NVIDIA/TensorRT-LLM#5448 (2025-06-24, before the release/1.0 cut)"}
 
 
