@@ -63,10 +63,14 @@ def test_version_matrix():
         "0.18.0", ENGINE, "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3")
     assert resolve("1.0.0").generation == LLMAPI
     for version, family, tag in (("0.20.0", "0.20", "25.06"), ("0.21.0", "0.21", "25.08"), ("1.0.0", "1.0", "25.09"),
-                                 ("1.1.0", "1.1", "25.12"), ("1.2.0", "1.2", "26.04")):
+                                 ("1.1.0", "1.1", "25.12"), ("1.2.1", "1.2", "26.04")):
         r = resolve(version, generation=ENGINE)
         assert (r.backend_family, r.container, r.untested) == (
             family, f"nvcr.io/nvidia/tritonserver:{tag}-trtllm-python-py3", False), version
+    # no tritonserver container carries 1.2.0 (26.03: 1.2.0rc8; 26.04 .. 26.07: 1.2.1): not pinned to 26.04
+    with pytest.raises(UsageError, match="no tritonserver.*carries TensorRT-LLM 1.2.0.*--container-tag.*1.2.1"):
+        resolve("1.2.0", generation=ENGINE)
+    assert resolve("1.2.0", generation=ENGINE, container_tag="my/tag:1").container == "my/tag:1"
     with pytest.raises(UsageError, match="not in the version table"):    # 0.17: no backend release read
         resolve("0.17.0", container_tag="my/tag:1")
     forced = resolve("0.17.0", container_tag="my/tag:1", force=True)

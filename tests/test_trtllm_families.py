@@ -74,7 +74,7 @@ def test_release_differences_are_where_the_table_says():
     for old in ("0.18", "0.19"):
         assert {"random_seed", "min_length"} <= names(old, "tensorrt_llm_bls")
     assert [f["id"] for f in upstream_facts.inferred_facts("1.2")] == [
-        "bls-loop", "container", "bls-token-counts", "length-penalty-ignored", "prompt-embedding-table-data-type",
+        "bls-loop", "container", "no-container-1.2.0", "bls-token-counts", "length-penalty-ignored", "prompt-embedding-table-data-type",
         "pixtral-image-sizes", "token-counts", "release-configs"]
     assert upstream_facts.inferred_facts("0.18") == []
 
@@ -104,7 +104,8 @@ def test_every_stage_dry_run_per_family(tmp_path, opts, family):
 @pytest.mark.parametrize("version,decoding,key,flag", [
     ("1.0.0", "DraftTarget", "speculative_model_dir", "--extra_llm_api_options"),
     ("1.1.0", "DraftTarget", "speculative_model_dir", "--extra_llm_api_options"),
-    ("1.2.1", "Draft_Target", "speculative_model", "--config")])
+    ("1.2.0", "DraftTarget", "speculative_model", "--config"),
+    ("1.2.1", "DraftTarget", "speculative_model", "--config")])
 def test_llmapi_names_per_release(tmp_path, opts, tiny_llama_draft, version, decoding, key, flag):
     o = {**opts, "trtllm_version": version}
     files = written(deploy.plan(context("deploy", tmp_path, o)))
@@ -117,7 +118,8 @@ def test_llmapi_names_per_release(tmp_path, opts, tiny_llama_draft, version, dec
     launch = json.loads(files[str(root / "launch.json")])
     assert launch["argv"][-2:] == [flag, str(root.resolve() / "trtllm_serve.yaml")]
     assert launch["container"] == f"nvcr.io/nvidia/tensorrt-llm/release:{version}"
-    assert launch["triton_container"] == ENGINE_CONTAINERS[version.rsplit(".", 1)[0]]
+    # no tritonserver container carries 1.2.0 (26.03 has 1.2.0rc8, 26.04 .. 26.07 have 1.2.1)
+    assert launch["triton_container"] == (None if version == "1.2.0" else ENGINE_CONTAINERS[version.rsplit(".", 1)[0]])
     # upstream's llmapi model.py sets decoupled / max_batch_size from model.yaml in auto_complete_config()
     assert "--disable-auto-complete-config" not in launch["triton_argv"]
 
@@ -185,7 +187,8 @@ def test_llmapi_standin_keeps_the_release_rules(monkeypatch):
     cfg = sa.update_llm_args_with_extra_dict({}, {"speculative_config": {
         "decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": "/d"},
         "kv_cache_config": {"enable_block_reuse": True}})
-    assert cfg["speculative_config"].draft_dir == "/d" and cfg["kv_cache_config"].enable_block_reuse is True
+    # 1.1.0's update_llm_args_with_extra_dict does not map kv_cache_config: it stays a mapping for LLM() to validate
+    assert cfg["speculative_config"].draft_dir == "/d" and cfg["kv_cache_config"] == {"enable_block_reuse": True}
     with pytest.raises(ValueError, match="Invalid decoding type: Draft_Target"):
         sa.DecodingBaseConfig.from_dict({"decoding_type": "Draft_Target", "max_draft_len": 3,
                                          "speculative_model_dir": "/d"})
@@ -195,11 +198,16 @@ def test_llmapi_standin_keeps_the_release_rules(monkeypatch):
     with pytest.raises(ValueError, match="pytorch_backend_config: Extra inputs are not permitted"):
         sa.LLM(model="/x", pytorch_backend_config={"use_cuda_graph": False})
     monkeypatch.setattr(sa, "version", lambda: "1.2.1")
-    for dt, key in (("Draft_Target", "speculative_model"), ("DraftTarget", "speculative_model_dir")):
-        c = sa.DecodingBaseConfig.from_dict({"decoding_type": dt, "max_draft_len": 2, key: "/d"})
+    # 1.2.1's DecodingBaseConfig.from_dict knows DraftTarget, not Draft_Target (the ClassVar spelling); the draft
+    # field is speculative_model, with speculative_model_dir accepted as its alias
+    for key in ("speculative_model", "speculative_model_dir"):
+        c = sa.DecodingBaseConfig.from_dict({"decoding_type": "DraftTarget", "max_draft_len": 2, key: "/d"})
         assert c.draft_dir == "/d"
+    with pytest.raises(ValueError, match="^Invalid decoding type: Draft_Target$"):
+        sa.DecodingBaseConfig.from_dict({"decoding_type": "Draft_Target", "max_draft_len": 2,
+                                         "speculative_model": "/d"})
     with pytest.raises(ValueError, match="max_draft_len must be > 0"):
-        sa.DecodingBaseConfig.from_dict({"decoding_type": "Draft_Target", "max_draft_len": 0,
+        sa.DecodingBaseConfig.from_dict({"decoding_type": "DraftTarget", "max_draft_len": 0,
                                          "speculative_model": "/d"})
     with pytest.raises(TypeError, match="unexpected keyword argument 'beam'"):
         sa.SamplingParams(beam=2)

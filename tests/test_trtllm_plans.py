@@ -105,7 +105,9 @@ def test_llmapi_build_writes_speculative_config_yaml(tmp_path, opts, tiny_llama_
     yaml = written(steps)[str(tmp_path / "engines" / "llm_api_options.yaml")]
     assert ("speculative_config:\n  decoding_type: \"DraftTarget\"\n  max_draft_len: 5\n"
             f"  speculative_model_dir: \"{tiny_llama_draft}\"\n") in yaml
-    assert "kv_cache_config:\n  enable_block_reuse: true\n" in yaml
+    # with a draft model upstream turns block reuse off (PR #5448): not presented as a setting, and the YAML says why
+    assert "kv_cache_config:\n  free_gpu_memory_fraction: 0.5\n" in yaml      # one GPU shared with the draft
+    assert "PR #5448" in yaml and "enable_block_reuse:" not in yaml
     assert "disable_overlap_scheduler: true" in yaml
 
 
@@ -113,7 +115,7 @@ def test_llmapi_deploy_launch_uses_version_specific_flag(tmp_path, opts, tiny_ll
     files = written(deploy.plan(context("deploy", tmp_path, {**opts, "trtllm_version": "1.1.0"})))
     launch = json.loads(files[str(tmp_path / "model_repository" / "launch.json")])
     root = (tmp_path / "model_repository").resolve()
-    assert launch["argv"] == ["trtllm-serve", str(tiny_llama), "--backend", "pytorch", "--host", "127.0.0.1",
+    assert launch["argv"] == ["trtllm-serve", "serve", str(tiny_llama), "--backend", "pytorch", "--host", "127.0.0.1",
                               "--port", "8000", "--extra_llm_api_options", str(root / "trtllm_serve.yaml")]
     assert launch["container"] == "nvcr.io/nvidia/tensorrt-llm/release:1.1.0"
     model_yaml = files[str(tmp_path / "model_repository" / "triton" / "tensorrt_llm" / "1" / "model.yaml")]

@@ -54,6 +54,10 @@ def trtllm_build_argv(s: Settings, role: str, checkpoint_dir: Path, output_dir: 
         argv += ["--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(s.max_draft_len)]
     elif s.use_draft_logits:
         argv += ["--gather_generation_logits"]
+    from specbuild.core import trtllm_schema
+    if trtllm_schema.release_key(s.recipe.trtllm_version) is not None:     # a release whose CLI facts were read
+        from specbuild.engines.trtllm.llmapi import check_argv
+        check_argv(s.recipe.trtllm_version, "trtllm-build", argv)
     return argv
 
 
@@ -78,8 +82,8 @@ def _yaml_scalar(value: Any) -> str:
 
 def llm_api_options(s: Settings, draft_dir: Path) -> dict[str, Any]:
     """LLM() keyword arguments for draft-target on the PyTorch backend (trtllm-serve YAML / model.yaml)."""
-    # Field names per release (llmapi.py): 1.0/1.1 DraftTarget + speculative_model_dir; 1.2 Draft_Target +
-    # speculative_model (the old name kept as an alias).
+    # Field names per release, read from the release's source (llmapi.py, core/trtllm_schema.json): decoding_type
+    # DraftTarget on 1.0 .. 1.2.1; the draft in speculative_model_dir (1.0, 1.1) or speculative_model (1.2).
     from specbuild.engines.trtllm.llmapi import speculative_config
     return {
         "tensor_parallel_size": s.tp,
@@ -88,11 +92,32 @@ def llm_api_options(s: Settings, draft_dir: Path) -> dict[str, Any]:
         "max_num_tokens": s.max_num_tokens,
         "max_seq_len": s.max_seq_len,
         "disable_overlap_scheduler": True,
-        "kv_cache_config": {"enable_block_reuse": True,
-                            "free_gpu_memory_fraction": s.kv_cache_free_gpu_mem_fraction},
+        # enable_block_reuse is left to the release: with a draft model TensorRT-LLM turned block reuse off with a
+        # warning (PR #5448), and which 1.x releases still do is not read at a release commit, so specbuild does
+        # not present it as a setting.
+        "kv_cache_config": {"free_gpu_memory_fraction": s.kv_cache_free_gpu_mem_fraction},
         "speculative_config": speculative_config(s.recipe.trtllm_version, max_draft_len=s.max_draft_len,
                                                  draft_dir=str(draft_dir)),
     }
+
+
+LLM_API_YAML_HEADER = (
+    "# LLM() arguments for draft-target speculative decoding (TensorRT-LLM {version}, PyTorch backend), checked\n"
+    "# against the release's own source ({source}).\n"
+    "# kv_cache_config.enable_block_reuse is not set: with a draft model TensorRT-LLM turns KV-cache block reuse\n"
+    "# off with a warning (NVIDIA/TensorRT-LLM PR #5448), so it is not a setting to rely on here.\n")
+
+
+def llm_api_yaml(s: Settings, draft_dir: Path) -> str:
+    """The trtllm-serve YAML (also the body of Triton's model.yaml), refused (CheckFailed) unless the release's
+    own rules accept it."""
+    from specbuild.core import trtllm_schema
+    from specbuild.engines.trtllm.llmapi import check_yaml, release
+    data = llm_api_options(s, draft_dir)
+    check_yaml(s.recipe.trtllm_version, data, where="the trtllm-serve YAML")
+    r = release(s.recipe.trtllm_version)
+    return LLM_API_YAML_HEADER.format(version=s.recipe.trtllm_version,
+                                      source=trtllm_schema.describe(r.version)) + to_yaml(data)
 
 
 def to_yaml(data: dict[str, Any], indent: int = 0) -> str:
@@ -124,7 +149,7 @@ def plan(ctx: StageContext) -> list[PlanStep]:
                                            f"have speculative_decoding_mode draft_tokens_external and max_draft_len "
                                            f">= {s.max_draft_len}"))
     else:
-        body = to_yaml(llm_api_options(s, source_dir(options, "draft")))
+        body = llm_api_yaml(s, source_dir(options, "draft"))
         steps.append(PlanStep("write", path=str(Path(ctx.out_dir) / OPTIONS_YAML), content=body))
     return steps
 
@@ -149,7 +174,7 @@ def _rehearse(ctx: StageContext, s: Settings, options: dict[str, Any], notes: li
         shutil.copytree(upstream_path(ctx, "tokenizer"), out / "tokenizer")
         outputs["tokenizer"] = "tokenizer"
     else:
-        (out / OPTIONS_YAML).write_text(to_yaml(llm_api_options(s, source_dir(options, "draft"))))
+        (out / OPTIONS_YAML).write_text(llm_api_yaml(s, source_dir(options, "draft")))
         outputs["llm_api_options"] = OPTIONS_YAML
     ctx.progress(f"rehearsal: recorded {sum(st.kind == 'run' for st in steps)} trtllm-build commands in "
                  f"engines/{rehearsal.PLAN_FILE} (not run: no TensorRT-LLM)" if s.recipe.generation == ENGINE else
@@ -197,7 +222,7 @@ def run(ctx: StageContext) -> StageResult:
         shutil.copytree(upstream_path(ctx, "tokenizer"), out / "tokenizer")
         outputs["tokenizer"] = "tokenizer"
     else:
-        (out / OPTIONS_YAML).write_text(to_yaml(llm_api_options(s, source_dir(options, "draft"))))
+        (out / OPTIONS_YAML).write_text(llm_api_yaml(s, source_dir(options, "draft")))
         outputs["llm_api_options"] = OPTIONS_YAML
     effective = {**options, **{k: getattr(s, k) for k in BUILD_KEYS if hasattr(s, k)}}
     effective["trtllm_version"] = s.recipe.trtllm_version

@@ -25,7 +25,7 @@ from specbuild.core.errors import CheckFailed, ToolNotAvailable, UsageError
 from specbuild.core.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm import rehearsal
-from specbuild.engines.trtllm.build import llm_api_options, to_yaml
+from specbuild.engines.trtllm.build import llm_api_yaml
 from specbuild.engines.trtllm.common import BUILD_KEYS, source_dir, upstream_path, upstream_root, upstream_settings
 from specbuild.engines.trtllm.launch import engine_launch, launch_json, launch_script, llmapi_launch
 from specbuild.engines.trtllm.repository import (ENGINE_MODELS, LLMAPI_PYTHON_MODELS, PYTHON_MODELS, UPSTREAM_CONFIGS,
@@ -52,7 +52,7 @@ def render_files(ctx: StageContext, s: Settings, options: dict[str, Any]) -> dic
         launch = engine_launch(s, root / TRITON_DIR)
     else:
         target, draft = source_dir(options, "target"), source_dir(options, "draft")
-        body = to_yaml(llm_api_options(s, draft))
+        body = llm_api_yaml(s, draft)      # checked against the release's own rules (llmapi.check_yaml)
         repo = llmapi_repository(s, target_dir=target, llm_api_yaml=body)
         files[SERVE_YAML] = body
         launch = llmapi_launch(s, root / TRITON_DIR, target, root / SERVE_YAML)
@@ -204,10 +204,11 @@ def inferred_note(s: Settings) -> str | None:
     else:
         from specbuild.engines.trtllm.llmapi import inferred_facts as llmapi_inferred
         facts = llmapi_inferred(s.recipe.trtllm_version)
-        what = "the LLM-API field names"
+        what = "the LLM-API path"
     if not facts:
         return None
     listed = ", ".join(f"{f.get('id', f['fact'][:40])} ({f['exactness']})" for f in facts)
     return (f"TensorRT-LLM {s.recipe.trtllm_version}: {len(facts)} fact(s) of {what} are not read at the release's "
-            f"own commit: {listed}. Sources: core/upstream_facts.json and docs/deploying-on-gpus.md; "
+            f"own commit: {listed}. Sources: core/upstream_facts.json, core/trtllm_schema.json and "
+            "docs/deploying-on-gpus.md; "
             "check them in the container before production.")

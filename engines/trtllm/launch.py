@@ -8,7 +8,7 @@ Engine path with fast logits: leader mode with spawning disabled, world size 1 +
 target ranks; rank 0 orchestrates, ranks != 0 load only the two engine models; the configs'
 `participant_ids` follow the same layout (TRTLLM_TRITON.md §2.4 item 7, §2.5).
 
-LLM-API path: `trtllm-serve <target> --extra_llm_api_options <yaml>` (`--config` from 1.2 on; OpenAI API),
+LLM-API path: `trtllm-serve serve <target> --extra_llm_api_options <yaml>` (`--config` on 1.2; OpenAI API),
 or `tritonserver` on the llmapi repository (`trtllm-llmapi-launch` under MPI when TP*PP > 1).
 """
 
@@ -19,7 +19,6 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from packaging.version import Version
 
 from specbuild.engines.trtllm.repository import DRAFT_MODEL, TARGET_MODEL
 from specbuild.engines.trtllm.settings import Settings
@@ -63,10 +62,12 @@ def llmapi_launch(s: Settings, repo: Path, target_dir: Path, options_yaml: Path)
     All LLM() arguments (parallelism, limits, KV cache, speculative_config) live in the YAML, so the
     command line only names the model, the backend, the address and the YAML.
     """
-    from specbuild.engines.trtllm.llmapi import release
+    from specbuild.engines.trtllm.llmapi import check_argv, release
     flag = release(s.recipe.trtllm_version).serve_flag
-    serve = ["trtllm-serve", str(target_dir), "--backend", "pytorch", "--host", s.host, "--port", str(s.http_port),
-             flag, str(options_yaml)]
+    # `trtllm-serve serve MODEL [OPTIONS]`, the usage line of every release's CLI reference (1.0.0 .. 1.2.1).
+    serve = ["trtllm-serve", "serve", str(target_dir), "--backend", "pytorch", "--host", s.host,
+             "--port", str(s.http_port), flag, str(options_yaml)]
+    check_argv(s.recipe.trtllm_version, "trtllm-serve serve", serve)
     triton = ["mpirun", "--allow-run-as-root", "-n", "1", "trtllm-llmapi-launch"] if s.target_world > 1 else []
     # No --disable-auto-complete-config here: upstream's llmapi model.py sets decoupled and max_batch_size from
     # model.yaml's triton_config in auto_complete_config() (read at TensorRT-LLM's triton_backend, tensorrtllm_backend
@@ -80,9 +81,8 @@ def llmapi_launch(s: Settings, repo: Path, target_dir: Path, options_yaml: Path)
 
 
 def _triton_container(s: Settings) -> str | None:
-    from specbuild.engines.trtllm.versions import ENGINE_CONTAINERS
-    v = Version(s.recipe.trtllm_version)
-    return ENGINE_CONTAINERS.get(f"{v.major}.{v.minor}")
+    from specbuild.engines.trtllm.versions import triton_container
+    return triton_container(s.recipe.trtllm_version)
 
 
 def launch_script(launch: dict[str, Any]) -> str:

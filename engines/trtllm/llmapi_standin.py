@@ -12,11 +12,13 @@ exactly the surface those model.py versions import (read from the stored version
   `tensorrt_llm._utils.global_mpi_rank / global_mpi_size`, `tensorrt_llm.llmapi.llm.RequestOutput`,
   `tensorrt_llm.llmapi.llm_utils.update_llm_args_with_extra_dict`, `tensorrt_llm.llmapi.MpiCommSession`.
 
-Behaviour kept from the real API: `LLM(**args)` refuses unknown arguments (1.x LlmArgs are StrictBaseModels, so a
-0.20-style `pytorch_backend_config` is an error there); `update_llm_args_with_extra_dict` turns `speculative_config`
-into a decoding config through `DecodingBaseConfig.from_dict`, with the release's `decoding_type` spelling and
-draft field (engines/trtllm/llmapi.py: 1.0/1.1 DraftTarget + speculative_model_dir, 1.2 Draft_Target (alias
-DraftTarget) + speculative_model (alias speculative_model_dir)); `generate_async(prompt, sampling_params,
+Behaviour kept from the real API, by the release's own rules (read from its source: core/trtllm_schema.json):
+`LLM(**args)` refuses unknown arguments and wrong types (1.x LlmArgs are StrictBaseModels, so a 0.20-style
+`pytorch_backend_config` is an error there); `update_llm_args_with_extra_dict` turns `speculative_config` into a
+decoding config through `DecodingBaseConfig.from_dict`, which knows only the release's keys (draft-target is
+`DraftTarget` on 1.0 .. 1.2.1; `Draft_Target` raises ValueError("Invalid decoding type: Draft_Target")) and the
+release's draft field (speculative_model_dir on 1.0 / 1.1; speculative_model, alias speculative_model_dir, on
+1.2); `generate_async(prompt, sampling_params,
 streaming)` returns an async iterator of `RequestOutput` (`.finished`, `.outputs[0].text` cumulative,
 `finish_reason`, `stop_reason`, `cumulative_logprob`, `request_perf_metrics` when
 `SamplingParams(return_perf_metrics=True)`) with `.abort()`; `exclude_input_from_output=False` puts the prompt in
@@ -69,25 +71,66 @@ class MpiCommSession:
 
 
 # ---- configs --------------------------------------------------------------------------------------------------
+# The rules are the release's own, read from its source (core/trtllm_schema.json via core/trtllm_schema.py): which
+# fields each config class has (all forbid extra fields), the DecodingBaseConfig.from_dict keys, and which YAML
+# keys update_llm_args_with_extra_dict turns into config objects. Below 1.0 (the 0.20 tree) no release source was
+# read: the old hand-kept rules apply there (draft-target as DraftTarget + speculative_model_dir).
+_LEGACY_FIELDS = {"KvCacheConfig": {"enable_block_reuse", "free_gpu_memory_fraction", "max_tokens", "host_cache_size"},
+                  "DraftTargetDecodingConfig": {"max_draft_len", "speculative_model_dir", "max_concurrency"},
+                  "TorchLlmArgs": {"model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_parallel_size",
+                                   "max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len",
+                                   "max_beam_width", "disable_overlap_scheduler", "kv_cache_config",
+                                   "speculative_config", "trust_remote_code", "dtype", "_mpi_session",
+                                   "pytorch_backend_config"}}
+
+
+def _release() -> str | None:
+    """The release whose facts the rehearsal obeys (None below 1.0: the legacy rules)."""
+    v = Version(version())
+    if v < Version("1.0"):
+        return None
+    from specbuild.engines.trtllm.llmapi import _schema_version
+    return _schema_version(str(v))
+
+
+def _check(cls: str, kw: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Refuse what `cls(**kw)` of the release refuses; return {field name: value} (aliases resolved)."""
+    from specbuild.core import trtllm_schema
+    rel = _release()
+    if rel is None:
+        fields, aliases = {k: "object" for k in _LEGACY_FIELDS[cls]}, {}
+    else:
+        fields, aliases = trtllm_schema.class_fields(rel, cls), trtllm_schema.class_aliases(rel, cls)
+    where = f"TensorRT-LLM {version()}" + (f", facts of {trtllm_schema.describe(rel)}" if rel else "")
+    for key in kw:
+        if key not in fields and key not in aliases:
+            raise ValueError(f"1 validation error for {cls}: {key}: Extra inputs are not permitted ({where})")
+    if rel is not None:
+        problems = trtllm_schema.class_problems(rel, cls, {k: v for k, v in kw.items() if k not in skip})
+        if problems:
+            raise ValueError(f"1 validation error for {cls}: {problems[0]}")
+    return {aliases.get(k, k): v for k, v in kw.items()}
+
+
 class StrictConfig:
-    FIELDS: dict[str, Any] = {}
     NAME = "config"
 
     def __init__(self, **kw: Any):
-        extra = sorted(set(kw) - set(self.FIELDS))
-        if extra:
-            raise ValueError(f"1 validation error for {self.NAME}: {extra[0]}: Extra inputs are not permitted")
-        for k, default in self.FIELDS.items():
-            setattr(self, k, kw.get(k, default))
+        self._values = _check(self.NAME, kw)
+        for k, v in self._values.items():
+            setattr(self, k, v)
+
+    def __getattr__(self, name: str) -> Any:        # a field left unset (the rehearsal does not model defaults)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return None
 
     def __repr__(self) -> str:
-        return f"{self.NAME}({', '.join(f'{k}={getattr(self, k)!r}' for k in self.FIELDS)})"
+        return f"{self.NAME}({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
 
 
 class KvCacheConfig(StrictConfig):
     NAME = "KvCacheConfig"
-    FIELDS = {"enable_block_reuse": True, "free_gpu_memory_fraction": None, "max_tokens": None,
-              "host_cache_size": None}
 
 
 class DecodingBaseConfig(StrictConfig):
@@ -95,16 +138,20 @@ class DecodingBaseConfig(StrictConfig):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DecodingBaseConfig":
-        """Dispatch on decoding_type as the release does (only draft-target is rehearsed)."""
-        v = Version(version())
+        """Dispatch on decoding_type with the release's own keys: anything else is
+        ValueError("Invalid decoding type: ..."), as upstream raises."""
         data = dict(data)
         decoding_type = data.pop("decoding_type", None)
-        accepted = ("DraftTarget",) if v < Version("1.2") else ("Draft_Target", "DraftTarget")
-        if decoding_type not in accepted:
-            raise ValueError(f"Invalid decoding type: {decoding_type} (the rehearsal of TensorRT-LLM {v} knows "
-                             f"draft-target as {' or '.join(accepted)})")
-        if v >= Version("1.2") and "speculative_model_dir" in data:      # AliasChoices since PR #10099
-            data["speculative_model"] = data.pop("speculative_model_dir")
+        rel = _release()
+        if rel is None:
+            if decoding_type != "DraftTarget":
+                raise ValueError(f"Invalid decoding type: {decoding_type}")
+            return DraftTargetDecodingConfig(**data)
+        from specbuild.core import trtllm_schema
+        target = trtllm_schema.decoding_class(rel, decoding_type)
+        if target != "DraftTargetDecodingConfig":
+            raise ValueError(f"the CPU rehearsal runs draft-target only ({decoding_type} selects {target} in "
+                             f"TensorRT-LLM {rel})")
         return DraftTargetDecodingConfig(**data)
 
 
@@ -112,28 +159,32 @@ class DraftTargetDecodingConfig(DecodingBaseConfig):
     NAME = "DraftTargetDecodingConfig"
 
     def __init__(self, **kw: Any):
-        key = "speculative_model" if Version(version()) >= Version("1.2") else "speculative_model_dir"
-        self.FIELDS = {"max_draft_len": None, key: None, "max_concurrency": None}
         super().__init__(**kw)
+        rel = _release()
+        from specbuild.core import trtllm_schema
+        key = trtllm_schema.draft_path_field(rel) if rel else "speculative_model_dir"
         self.draft_dir = getattr(self, key)
+        # TorchLlmArgs.validate_speculative_config of each release asserts both (core/trtllm_schema.json validators)
         if not self.max_draft_len or int(self.max_draft_len) <= 0:
             raise ValueError("max_draft_len must be > 0 for DraftTarget")
         if not self.draft_dir:
-            raise ValueError(f"{key} must be specified for DraftTarget")
-
-
-_CONFIG_CLASSES = {"kv_cache_config": KvCacheConfig}
+            raise ValueError(f"{key} must be specified for DraftTarget (upstream: 'Draft model must be specified.')")
 
 
 def update_llm_args_with_extra_dict(llm_args: dict[str, Any], llm_args_dict: dict[str, Any],
                                     extra_llm_api_options: str | None = None) -> dict[str, Any]:
-    """The YAML loader shared by trtllm-serve and Triton's llmapi model: config sections become config objects."""
+    """The YAML loader shared by trtllm-serve and Triton's llmapi model: the keys of the release's field mapping
+    become config objects (speculative_config through DecodingBaseConfig.from_dict; kv_cache_config only where the
+    release maps it, 1.2: on 1.0 / 1.1 it stays a mapping and LLM() validates it); the rest passes as is."""
+    rel = _release()
+    from specbuild.core import trtllm_schema
+    mapping = trtllm_schema.facts(rel)["extra_dict_mapping"] if rel else {"speculative_config": "DecodingBaseConfig"}
     out = dict(llm_args)
     for key, value in llm_args_dict.items():
         if key == "speculative_config" and isinstance(value, dict):
             out[key] = DecodingBaseConfig.from_dict(value)
-        elif key in _CONFIG_CLASSES and isinstance(value, dict):
-            out[key] = _CONFIG_CLASSES[key](**value)
+        elif mapping.get(key) == "KvCacheConfig" and isinstance(value, dict):
+            out[key] = KvCacheConfig(**value)
         else:
             out[key] = value
     return out
@@ -243,21 +294,14 @@ class RequestOutput:
 
 
 # ---- the LLM ---------------------------------------------------------------------------------------------------
-_LLM_ARGS = {"model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size",
-             "max_num_tokens", "max_seq_len", "max_input_len", "max_beam_width", "disable_overlap_scheduler",
-             "kv_cache_config", "speculative_config", "trust_remote_code", "dtype", "_mpi_session"}
-
-
 class LLM:
     """`LLM(model=<target HF dir>, speculative_config=DraftTarget(...), ...)` on the embedded engine."""
 
     def __init__(self, model: str | None = None, **kw: Any):
-        allowed = set(_LLM_ARGS)
-        if Version(version()) < Version("1.0"):
-            allowed.add("pytorch_backend_config")       # the 0.20 LlmArgs still had it
-        extra = sorted(set(kw) - allowed)
-        if extra:
-            raise ValueError(f"1 validation error for TorchLlmArgs: {extra[0]}: Extra inputs are not permitted")
+        if isinstance(kw.get("kv_cache_config"), dict):     # 1.0 / 1.1: validated by the LLM args, not the loader
+            kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
+        kw = {k: v for k, v in _check("TorchLlmArgs", {**({"model": model} if model is not None else {}), **kw},
+                                      skip=("speculative_config", "kv_cache_config")).items() if k != "model"}
         if kw.get("backend") not in (None, "pytorch"):
             raise ValueError(f"the rehearsal covers the PyTorch backend only, not backend={kw.get('backend')!r}")
         tp, pp = int(kw.get("tensor_parallel_size") or 1), int(kw.get("pipeline_parallel_size") or 1)

@@ -149,8 +149,11 @@ def llmapi_repository(s: Settings, *, target_dir: Path, llm_api_yaml: str) -> di
     """{relative path: content} of the llmapi repository (config.pbtxt + 1/model.yaml)."""
     values = {"trtllm_version": s.recipe.trtllm_version, "target_dir": target_dir,
               "llm_api_options": llm_api_yaml.rstrip("\n"), "decoupled": False}
-    return {"tensorrt_llm/config.pbtxt": render(template("llmapi/tensorrt_llm/config.pbtxt"), values, "llmapi"),
-            "tensorrt_llm/1/model.yaml": render(template("llmapi/tensorrt_llm/1/model.yaml"), values, "model.yaml")}
+    files = {"tensorrt_llm/config.pbtxt": render(template("llmapi/tensorrt_llm/config.pbtxt"), values, "llmapi"),
+             "tensorrt_llm/1/model.yaml": render(template("llmapi/tensorrt_llm/1/model.yaml"), values, "model.yaml")}
+    from specbuild.engines.trtllm.llmapi import check_model_yaml
+    check_model_yaml(s.recipe.trtllm_version, files["tensorrt_llm/1/model.yaml"], where="Triton's llmapi model.yaml")
+    return files
 
 
 def parse_config(text: str):

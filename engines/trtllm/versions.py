@@ -49,6 +49,23 @@ ENGINE_CONTAINERS = {
     "1.2": "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3",
 }
 LLMAPI_CONTAINER = "nvcr.io/nvidia/tensorrt-llm/release:{version}"
+# The one release a family's pinned container carries, where the family has several: 26.04 carries 1.2.1, and no
+# tritonserver container carries 1.2.0 (r26.03 carries 1.2.0rc8, r26.04 .. r26.07 carry 1.2.1: the backend's
+# release-branch Dockerfiles, TENSORRTLLM_VER; inferred, the compatibility matrix read stops at 25.12).
+CONTAINER_CARRIES = {"1.2": "1.2.1"}
+NO_CONTAINER = {"1.2.0": "no tritonserver:<yy.mm>-trtllm-python-py3 container carries TensorRT-LLM 1.2.0: 26.03 carries "
+                         "1.2.0rc8 and 26.04 .. 26.07 carry 1.2.1 (the backend's release-branch Dockerfiles r26.03 .. "
+                         "r26.07, TENSORRTLLM_VER; inferred: the compatibility matrix read stops at 25.12)"}
+
+
+def triton_container(version: str) -> str | None:
+    """The pinned tritonserver container that carries exactly this TensorRT-LLM release, or None."""
+    v = Version(str(version))
+    family = f"{v.major}.{v.minor}"
+    carried = CONTAINER_CARRIES.get(family)
+    if carried is not None and v.base_version != carried:
+        return None
+    return ENGINE_CONTAINERS.get(family)
 
 
 @dataclass(frozen=True)
@@ -80,7 +97,8 @@ def supported_matrix() -> str:
         "supported TensorRT-LLM combinations:",
         f"  engine path (trtllm-build + Triton inflight_batcher_llm BLS): TensorRT-LLM "
         f"{', '.join(table_versions())} (the releases in the version table, core/upstream_facts.json); "
-        f"containers: " + ", ".join(f"{fam}.x -> {tag.split(':')[-1]}" for fam, tag in ENGINE_CONTAINERS.items())
+        f"containers: " + ", ".join(f"{CONTAINER_CARRIES.get(fam, fam + '.x')} -> {tag.split(':')[-1]}"
+                                    for fam, tag in ENGINE_CONTAINERS.items())
         + "; others need --container-tag; a version outside the table only with --force (its templates are then "
         "the nearest older family's, unverified); none from 1.3 on (the engine path was removed after 1.2.1)",
         f"  llmapi path (PyTorch backend, speculative_config DraftTarget): {LLMAPI_RANGE[0]} <= version < "
@@ -157,7 +175,11 @@ def resolve(requested: str | None = None, generation: str | None = None,
     elif gen == LLMAPI:
         container = LLMAPI_CONTAINER.format(version=version.base_version)
     else:
-        container = ENGINE_CONTAINERS.get(f"{version.major}.{version.minor}", "")
+        container = triton_container(str(version)) or ""
+        if not container and version.base_version in NO_CONTAINER:
+            raise UsageError(f"TensorRT-LLM {text}: {NO_CONTAINER[version.base_version]}. Pass --container-tag (an "
+                             f"image you built with {version.base_version}), or use --trtllm-version "
+                             f"{CONTAINER_CARRIES[f'{version.major}.{version.minor}']}.\n{supported_matrix()}")
         if not container:
             raise UsageError(f"no pinned Triton container is known for TensorRT-LLM {text}; pass --container-tag "
                              f"(the tritonserver:<yy.mm>-trtllm-python-py3 image that ships it) or use "
