@@ -154,7 +154,8 @@ def test_stop_does_signal_the_process_it_started(tmp_path):
 # shared-memory, model-config, model-repository, statistics, trace, logging.
 RESTRICTED = [("GET", "/v2/systemsharedmemory/status"), ("GET", "/v2/cudasharedmemory/status"),
               ("GET", "/v2/models/echo/config"), ("POST", "/v2/repository/index"),
-              ("GET", "/v2/models/echo/stats"), ("GET", "/v2/trace/setting"), ("GET", "/v2/logging")]
+              ("GET", "/v2/models/echo/stats"), ("GET", "/v2/trace/setting"),
+              ("GET", "/v2/models/echo/trace/setting"), ("GET", "/v2/logging")]
 OPEN = [("GET", "/v2/health/ready"), ("GET", "/v2/health/live"), ("GET", "/v2"), ("GET", "/v2/models/echo"),
         ("GET", "/v2/models/echo/ready")]
 
