@@ -188,13 +188,6 @@ def _group_members(pgid: int) -> list[int]:
     return out
 
 
-def _is_tritonserver(pid: int) -> bool:
-    try:
-        return b"tritonserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
 def start_ticks(pid: int) -> int | None:
     """The process's start time, /proc/<pid>/stat field 22 (clock ticks since boot): with the pid and the boot
     it names one process, whatever pid reuse happens later. None if there is no such process."""
