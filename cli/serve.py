@@ -17,8 +17,11 @@ def _say(msg: str) -> None:
 @click.command("serve")
 @workdir_option
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to bind HTTP, gRPC and metrics to. Anything but loopback is reachable from "
-                   "other machines (a warning is printed).")
+              help="Address to bind HTTP, gRPC and metrics to. Anything but loopback is refused unless "
+                   "--allow-remote is given (inference is not authenticated; see docs/serving.md).")
+@click.option("--allow-remote", is_flag=True, default=False,
+              help="Allow a non-loopback --host. Put a proxy with a body-size limit and a Host check in front "
+                   "(docs/serving.md): the bundled tritonserver 2.51 has published HTTP vulnerabilities.")
 @click.option("--http-port", type=int, default=8000, show_default=True, help="HTTP (KServe v2) port.")
 @click.option("--grpc-port", type=int, default=8001, show_default=True, help="gRPC port.")
 @click.option("--metrics-port", type=int, default=8002, show_default=True, help="Prometheus /metrics port.")
@@ -37,22 +40,24 @@ def _say(msg: str) -> None:
 @click.option("--backend-models-dir", default=None, metavar="DIR",
               help="With --rehearse: a tensorrtllm_backend checkout of the deployed release tag, its "
                    "all_models/inflight_batcher_llm, or a container's /app/all_models.")
-def serve_command(workdir, host, http_port, grpc_port, metrics_port, timeout, background, binary, log_verbose,
-                  rehearse, backend_models_dir):
+def serve_command(workdir, host, allow_remote, http_port, grpc_port, metrics_port, timeout, background, binary,
+                  log_verbose, rehearse, backend_models_dir):
     """Serve WORKDIR/model_repository/ with a real Triton Inference Server.
 
     Runs in the foreground until Ctrl-C (then stops cleanly), or with --background returns
-    once ready. pid and log: WORKDIR/server/.
+    once ready. pid and log: WORKDIR/server/. The admin APIs (model config, repository, statistics, trace,
+    logging, shared memory) answer only requests with the per-server token header that
+    WORKDIR/server/server.json records (mode 0600); health, metadata and inference stay open.
 
     \b
     Example:
       specbuild serve
       specbuild serve --background --http-port 18000 --grpc-port 18001 --metrics-port 18002
-      specbuild serve --host 0.0.0.0        # reachable from other machines
+      specbuild serve --host 0.0.0.0 --allow-remote   # reachable from other machines: proxy in front
       specbuild serve --rehearse --backend-models-dir ./tensorrtllm_backend --background
     """
     opts = lib.ServeOptions(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                            timeout=timeout, tritonserver=binary, log_verbose=log_verbose)
+                            timeout=timeout, tritonserver=binary, log_verbose=log_verbose, allow_remote=allow_remote)
     if backend_models_dir and not rehearse:
         raise click.UsageError("--backend-models-dir applies to --rehearse only.")
     if rehearse:
@@ -79,6 +84,9 @@ def serve_command(workdir, host, http_port, grpc_port, metrics_port, timeout, ba
               help="Seconds to wait after SIGTERM before SIGKILL.")
 def stop_command(workdir, timeout):
     """Stop the server started from WORKDIR (SIGTERM, then SIGKILL after --timeout).
+
+    Signals only a process proven to be that server (the recorded pid with its recorded start time and
+    instance mark); a recorded pid that now belongs to another process is left alone (exit code 1).
 
     \b
     Example:

@@ -26,3 +26,17 @@ EMBEDDED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
 
 # The runtime config an embedded engine directory holds (read and written only by engines/embedded/config.py).
 ENGINE_CONFIG_FILE = "engine_config.json"
+
+# Triton's admin API groups that no client of the model needs (tritonserver 2.51 --help:
+# "--http-restricted-api=<apis>:<key>=<value>", "--grpc-restricted-protocol=..."): behind the header ADMIN_KEY
+# whose value is a per-server token (`serve`) or a Kubernetes Secret (`deploy --kubernetes`). Health, metadata
+# and inference stay open.
+RESTRICTED_APIS = ("shared-memory", "model-config", "model-repository", "statistics", "trace", "logging")
+ADMIN_KEY = "specbuild-admin-token"
+
+
+def restriction_args(value: str) -> list[str]:
+    """tritonserver flags that put RESTRICTED_APIS behind `ADMIN_KEY: value` on HTTP and gRPC."""
+    apis = ",".join(RESTRICTED_APIS)
+    return [f"--http-restricted-api={apis}:{ADMIN_KEY}={value}",
+            f"--grpc-restricted-protocol={apis}:{ADMIN_KEY}={value}"]

@@ -159,10 +159,17 @@ def is_up_to_date(directory: Path, manifest: Manifest) -> bool:
         return False
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:
+    """Write `text` to `path` through a temp file renamed over it (readers see the old or the new file).
+
+    The file gets `mode` if given (e.g. 0o600 for a file holding a secret), else what `open()` would give a
+    new file: 0o666 less the umask (0o644 under the usual 022). mkstemp alone leaves 0o600, and a server
+    running as another uid then cannot read a manifest.json or a config.pbtxt.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, (0o666 & ~umask()) if mode is None else mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -357,7 +364,7 @@ def stage_output(final_dir: Path, need_bytes: int | Callable[[], int] | None = N
     # mkdtemp makes the directory 0700; the output (a model repository a server may read as another user)
     # gets the mode any directory made here gets.
     with contextlib.suppress(OSError):
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~umask())
     try:
         yield tmp
         if not (tmp / MANIFEST).exists():
@@ -387,7 +394,7 @@ def stage_output(final_dir: Path, need_bytes: int | Callable[[], int] | None = N
         raise
 
 
-def _umask() -> int:
+def umask() -> int:
     """The process umask, read without changing it (Linux /proc; else the usual 022)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():

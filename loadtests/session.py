@@ -167,7 +167,7 @@ def open_session(*, url: str, model: str | None, tokenizer_dir: Path, deployed: 
                  protocol: str = "http", grpc_url: str | None = None, metrics_url: str | None = None,
                  gates=None, workers: int = 0, stop_timeout: float = 5.0, seed: int = 0,
                  progress_bar: bool = False, api: str = wire.KSERVE, records: list | None = None,
-                 lengths: str = "profile") -> Session:
+                 lengths: str = "profile", admin_headers: dict[str, str] | None = None) -> Session:
     """Check the server is up, `model` exists and declares `inputs` (KServe), or that an OpenAI-compatible server
     serves `model` (default: its first). What is deployed (`deployed`: `pipeline.deployment`'s target, the
     tokenizer, the engine's `max_seq_len`) is handed in: the load side only measures."""
@@ -184,7 +184,7 @@ def open_session(*, url: str, model: str | None, tokenizer_dir: Path, deployed: 
         info = target.preflight_openai(url, model)
         dropped: list[str] = []
     else:
-        info = target.preflight(url, model)
+        info = target.preflight(url, model, headers=admin_headers)
         target.check_inputs(info, served_names(deployed, ["text_input", "max_tokens", *inputs]))
         if protocol == "grpc":
             target.check_grpc(grpc_url, model)

@@ -33,9 +33,12 @@ def _get(client: httpx.Client, url: str) -> httpx.Response:
                           "(`specbuild serve --workdir ...`) or pass the right --url.") from e
 
 
-def preflight(url: str, model: str, *, timeout: float = 10.0) -> ModelInfo:
-    """Server ready, model known and ready; returns the model's declared inputs."""
-    with httpx.Client(timeout=timeout) as client:
+def preflight(url: str, model: str, *, timeout: float = 10.0, headers: dict[str, str] | None = None) -> ModelInfo:
+    """Server ready, model known and ready; returns the model's declared inputs.
+
+    `headers` open the server's restricted APIs (model config, repository index) where it has them, e.g. the
+    admin token of a `specbuild serve` server; without them a refused config reads as max_batch_size > 0."""
+    with httpx.Client(timeout=timeout, headers=headers or {}) as client:
         ready = _get(client, f"{url}/v2/health/ready")
         if ready.status_code != 200:
             raise ServerError(f"Triton at {url} is up but not ready (HTTP {ready.status_code}); wait for "
@@ -133,9 +136,12 @@ def smoke_request(url: str, model: str, payload: dict[str, Any], stream: bool, t
                          f"{sorted(body)}: {err}. Fix the profile / --compare / --setting values.")
 
 
-def _model_names(client: httpx.Client, url: str) -> list[str]:
+def _model_names(client: httpx.Client, url: str) -> list[str] | str:
     try:
-        return sorted({m["name"] for m in client.post(f"{url}/v2/repository/index").json()})
+        resp = client.post(f"{url}/v2/repository/index")
+        if resp.status_code == 403:    # a restricted repository API (`specbuild serve` restricts it)
+            return "not listed (the repository index needs the server's admin token)"
+        return sorted({m["name"] for m in resp.json()})
     except Exception:
         return []
 

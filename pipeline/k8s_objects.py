@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specbuild.core.constants import ADMIN_KEY, restriction_args
+
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 MOUNT = "/specbuild"                  # the one mount point: the workdir's copy is MOUNT/work
 WORK = f"{MOUNT}/work"
@@ -17,11 +19,10 @@ OVERLAY = "/specbuild-overlay"        # the ConfigMap of relocated configs (init
 UID = 1000                            # the embedded image's user; NGC's tritonserver images have uid 1000 too
 BUSYBOX = "busybox:1.37.0"
 AWS_CLI = "amazon/aws-cli:2.22.35"
-# Triton's restricted API groups (tritonserver --help: "--http-restricted-api=<apis>:<key>=<value>"): everything a
-# client does not need. health, metadata and inference stay open to the clients the NetworkPolicy lets in.
-RESTRICTED_APIS = "shared-memory,model-config,model-repository,statistics,trace,logging"
-ADMIN_HEADER = "specbuild-admin-key"
-ADMIN_ENV = "SPECBUILD_ADMIN_KEY"
+# Triton's admin APIs behind the same header as `specbuild serve` (core.constants.RESTRICTED_APIS / ADMIN_KEY),
+# its value from a Secret; health, metadata and inference stay open to the clients the NetworkPolicy lets in.
+ADMIN_HEADER = ADMIN_KEY
+ADMIN_ENV = "SPECBUILD_ADMIN_TOKEN"
 
 
 def labels(name: str, backend: str, component: str = "server") -> dict[str, str]:
@@ -49,9 +50,7 @@ def container_security() -> dict[str, Any]:
 
 def restricted_flags() -> list[str]:
     """The admin APIs behind a header whose value only the Secret's holder knows ($(VAR): expanded by the kubelet)."""
-    value = f"{ADMIN_HEADER}=$({ADMIN_ENV})"
-    return [f"--http-restricted-api={RESTRICTED_APIS}:{value}",
-            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{value}"]
+    return restriction_args(f"$({ADMIN_ENV})")
 
 
 def pod_argv(argv: list[str], workdir: Path) -> list[str]:

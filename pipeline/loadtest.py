@@ -347,7 +347,12 @@ def _prepare(cfg: LoadtestConfig, say) -> tuple[list[Run], dict, dict[str, Any]]
 def open_session(*, tokenizer: str | None, workdir: Path, **kw) -> Session:
     """`loadtests.session.open_session` with the facts of the deployment in `workdir` (its tokenizer unless
     `tokenizer` names one, its target, its engine's max_seq_len)."""
+    from specbuild.pipeline.serve import read_state
+
     d = deployment(workdir)
+    served = read_state(workdir)     # the server `specbuild serve` started here: its admin token opens the config
+    if served is not None and served.http_url == str(kw.get("url", "")).rstrip("/"):
+        kw.setdefault("admin_headers", served.admin_headers)
     return _session.open_session(tokenizer_dir=d.tokenizer_dir(tokenizer), deployed=d.target,
                                  max_seq_len=d.max_seq_len, **kw)
 

@@ -1,9 +1,16 @@
 """`serve` / `stop` / `status`: run the real `tritonserver` on a deployed model repository.
 
-State lives in `<workdir>/server/`: `server.json` (pid, ports, argv), `tritonserver.log`, and the
-Python-backend directory assembled for the pytriton wheel (`backends/`). The server runs in its own
-session (process group), so `stop` can SIGTERM the whole group — tritonserver and its Python stub
-processes — then SIGKILL whatever is left after the timeout, and finally checks that the ports are free.
+State lives in `<workdir>/server/`: `server.json` (pid, its start time, ports, argv, the admin token;
+mode 0600), `tritonserver.log`, and the Python-backend directory assembled for the pytriton wheel
+(`backends/`). The server runs in its own session (process group), so `stop` can SIGTERM the whole group —
+tritonserver and its Python stub processes — then SIGKILL whatever is left after the timeout, and finally
+checks that the ports are free. `stop` signals only a process it can prove is the server this workdir
+started: the recorded pid with the recorded start time (/proc/<pid>/stat field 22, this boot) and the
+instance mark every process of the server carries in its environment (SPECBUILD_SERVER_INSTANCE).
+
+Every API a client of the model does not need (RESTRICTED_APIS: shared-memory, model-repository,
+model-config, statistics, trace, logging) is restricted, on HTTP and gRPC, to requests carrying the
+per-server token (`ADMIN_HEADER`, generated at each start): see docs/serving.md for what that covers.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from specbuild.core.constants import ADMIN_KEY, RESTRICTED_APIS, restriction_args  # noqa: F401 (API)
 from specbuild.core.errors import ServerError, ToolNotAvailable, UsageError
 from specbuild.core.manifest import atomic_write_text, ensure_writable_dir, read_manifest, workspace_lock
 from specbuild.pipeline.stage import stage_dir
@@ -29,6 +38,15 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ORPHAN_GRACE_S = 3.0     # Python stubs left after tritonserver exited get this long before SIGKILL
+
+# tritonserver 2.51 `--http-restricted-api=<apis>:<key>=<value>` / `--grpc-restricted-protocol=...` (its --help;
+# server docs/customization_guide/inference_protocols.md "Limit Endpoint Access"): the categories it knows are
+# health, metadata, inference, shared-memory, model-config, model-repository, statistics, trace, logging.
+# health, metadata and inference stay open: they are what a client of the model (the load tests, GenAI-Perf,
+# AIPerf, tritonclient) needs.
+ADMIN_HEADER = ADMIN_KEY                                # HTTP: the header is the key itself
+ADMIN_GRPC_HEADER = f"triton-grpc-protocol-{ADMIN_KEY}"  # gRPC: Triton prefixes the key
+INSTANCE_ENV = "SPECBUILD_SERVER_INSTANCE"              # in the environment of every process of the server
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,7 @@ class ServeOptions:
     exit_timeout: int = 5            # tritonserver --exit-timeout-secs (it waits this long for open connections)
     log_verbose: int = 0
     tritonserver: str | None = None  # explicit binary; default: PATH, then the nvidia-pytriton wheel
+    allow_remote: bool = False       # bind a non-loopback --host (no authentication on inference: see docs)
 
     def __post_init__(self):
         ports = (self.http_port, self.grpc_port, self.metrics_port)
@@ -51,6 +70,25 @@ class ServeOptions:
             raise UsageError(f"--http-port, --grpc-port and --metrics-port must differ (got {ports}).")
         if self.timeout <= 0:
             raise UsageError(f"--timeout must be > 0 seconds (got {self.timeout}).")
+        if not is_loopback(self.host) and not self.allow_remote:
+            raise UsageError(
+                f"--host {self.host} would make the server reachable from other machines, and Triton does not "
+                "authenticate inference: anyone who reaches the port can generate, and the bundled tritonserver "
+                "2.51 carries published vulnerabilities reachable over HTTP (CVE-2025-23310/23311, "
+                "CVE-2025-23319/23320/23334, CVE-2025-33201; see docs/serving.md). Put a proxy with a body-size "
+                "limit and a Host check in front and bind it to 127.0.0.1, or pass --allow-remote if that is "
+                "what you mean.")
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -64,6 +102,16 @@ class ServerInfo:
     log_file: str
     argv: list[str] = field(default_factory=list)
     started: float = 0.0
+    start_ticks: int = 0          # /proc/<pid>/stat field 22 (clock ticks after boot) of the server process
+    boot_id: str = ""             # /proc/sys/kernel/random/boot_id when it started
+    instance: str = ""            # SPECBUILD_SERVER_INSTANCE in the server's environment (and its children's)
+    workdir: str = ""             # the (resolved) workdir that started it
+    admin_token: str = ""         # the ADMIN_HEADER value the restricted APIs require
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """The header that opens the restricted APIs (empty for a server started without a token)."""
+        return {ADMIN_HEADER: self.admin_token} if self.admin_token else {}
 
     @property
     def _h(self) -> str:
@@ -139,11 +187,58 @@ def _group_members(pgid: int) -> list[int]:
     return out
 
 
-def _is_tritonserver(pid: int) -> bool:
+def start_ticks(pid: int) -> int | None:
+    """The process's start time, /proc/<pid>/stat field 22 (clock ticks since boot): with the pid and the boot
+    it names one process, whatever pid reuse happens later. None if there is no such process."""
     try:
-        return b"tritonserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        return False
+        return ""
+
+
+def _instance_of(pid: int) -> str | None:
+    """The SPECBUILD_SERVER_INSTANCE a process was started with (None: unreadable or absent)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    prefix = INSTANCE_ENV.encode() + b"="
+    for item in env.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix):].decode(errors="replace")
+    return None
+
+
+def why_not_ours(info: ServerInfo) -> str | None:
+    """None when the recorded pid is, now, the server that `specbuild serve` started and recorded in `info`;
+    else why it is not (no such process, another start time, another boot, no instance mark)."""
+    if not _alive(info.pid):
+        return f"pid {info.pid} is not running"
+    if not info.start_ticks or not info.instance:
+        return (f"the record of pid {info.pid} has no start time (written by an older specbuild): it cannot be "
+                "told from another process that reused the pid")
+    if info.boot_id and info.boot_id != boot_id():
+        return f"pid {info.pid} was recorded before the machine rebooted"
+    ticks = start_ticks(info.pid)
+    if ticks != info.start_ticks:
+        return f"pid {info.pid} now belongs to another process (started at tick {ticks}, not {info.start_ticks})"
+    if _instance_of(info.pid) != info.instance:
+        return f"pid {info.pid} does not carry this server's {INSTANCE_ENV}"
+    return None
+
+
+def _our_members(info: ServerInfo) -> list[int]:
+    """Processes of the server's group that carry its instance mark (its Python stubs, the engine process)."""
+    if not info.instance:
+        return []
+    return [p for p in _group_members(info.pid) if _instance_of(p) == info.instance]
 
 
 def read_state(workdir) -> ServerInfo | None:
@@ -152,8 +247,13 @@ def read_state(workdir) -> ServerInfo | None:
         return None
     try:
         return ServerInfo(**json.loads(path.read_text()))
-    except (ValueError, TypeError):
+    except (OSError, ValueError, TypeError):
         return None
+
+
+def _write_state(workdir, info: ServerInfo) -> None:
+    # 0600: it holds the admin token
+    atomic_write_text(_state_file(workdir), json.dumps(asdict(info), indent=2) + "\n", mode=0o600)
 
 
 @dataclass(frozen=True)
@@ -162,6 +262,7 @@ class Endpoints:
     grpc: str
     metrics: str
     recorded: bool          # True when they come from the server `specbuild serve` recorded in the workdir
+    admin_headers: dict[str, str] = field(default_factory=dict)   # opens its restricted APIs (recorded only)
 
 
 def endpoints(workdir, url: str | None = None, grpc_url: str | None = None,
@@ -173,7 +274,8 @@ def endpoints(workdir, url: str | None = None, grpc_url: str | None = None,
     info = None if url else read_state(workdir)
     if info is not None:
         return Endpoints(info.http_url, grpc_url or info.grpc_url,
-                         info.metrics_url if metrics_url is None else metrics_url, recorded=True)
+                         info.metrics_url if metrics_url is None else metrics_url, recorded=True,
+                         admin_headers=info.admin_headers)
     url = (url or "http://127.0.0.1:8000").rstrip("/")
     host = urlsplit(url).hostname or "127.0.0.1"
     host = f"[{host}]" if ":" in host else host
@@ -181,7 +283,15 @@ def endpoints(workdir, url: str | None = None, grpc_url: str | None = None,
                      f"http://{host}:8002/metrics" if metrics_url is None else metrics_url, recorded=False)
 
 
-def build_argv(binary: Path, repository: Path, backend_dir: Path, opts: ServeOptions) -> list[str]:
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """argv with the admin token masked (for logs and server.json's argv)."""
+    return [a.rsplit("=", 1)[0] + "=***" if a.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))
+            else a for a in argv]
+
+
+def build_argv(binary: Path, repository: Path, backend_dir: Path, opts: ServeOptions, token: str) -> list[str]:
     h = opts.host
     return [str(binary), "--model-repository", str(repository), "--backend-directory", str(backend_dir),
             "--http-address", h, "--http-port", str(opts.http_port),
@@ -189,7 +299,8 @@ def build_argv(binary: Path, repository: Path, backend_dir: Path, opts: ServeOpt
             "--metrics-address", h, "--metrics-port", str(opts.metrics_port),
             "--allow-metrics", "true", "--allow-gpu-metrics", "false", "--allow-cpu-metrics", "true",
             "--exit-on-error", "true", "--strict-readiness", "true",
-            "--exit-timeout-secs", str(opts.exit_timeout), "--log-verbose", str(opts.log_verbose)]
+            "--exit-timeout-secs", str(opts.exit_timeout), "--log-verbose", str(opts.log_verbose),
+            *restriction_args(token)]
 
 
 def start(workdir: str | Path, opts: ServeOptions = ServeOptions(), *, repository: str | Path | None = None,
@@ -216,11 +327,12 @@ def _start(workdir: str | Path, opts: ServeOptions, *, repository: str | Path | 
             repository = repository / "triton"
     repository = Path(repository).resolve()
     current = read_state(workdir)
-    if current and _alive(current.pid) and _is_tritonserver(current.pid):
+    if current and (why_not_ours(current) is None or _our_members(current)):
         raise ServerError(f"a server from {workdir} is already running (pid {current.pid}, "
                           f"{current.http_url}); run `specbuild stop --workdir {workdir}` first.")
-    if opts.host not in LOOPBACK:
-        msg = f"warning: binding {opts.host}: the server is reachable from other machines (no authentication)."
+    if not is_loopback(opts.host):
+        msg = (f"warning: binding {opts.host} (--allow-remote): the server is reachable from other machines and "
+               "inference is not authenticated; see docs/serving.md for the proxy to put in front.")
         say(msg) if progress else log.warning(msg)
     for name, port in (("--http-port", opts.http_port), ("--grpc-port", opts.grpc_port),
                        ("--metrics-port", opts.metrics_port)):
@@ -235,16 +347,20 @@ def _start(workdir: str | Path, opts: ServeOptions, *, repository: str | Path | 
                                "--tritonserver.")
     sdir = ensure_writable_dir(server_dir(workdir))
     backend_dir = prepare_backend_dir(binary, sdir / "backends").resolve()
-    argv = build_argv(binary.path, repository, backend_dir, opts)
+    token = secrets.token_urlsafe(32)
+    instance = secrets.token_hex(16)
+    argv = build_argv(binary.path, repository, backend_dir, opts, token)
     log_file = sdir / "tritonserver.log"
-    say("Running: " + " ".join(argv))
+    say("Running: " + " ".join(redacted(argv)))
+    env = {**server_env(binary), INSTANCE_ENV: instance}
     with open(log_file, "wb") as logf:
-        proc = subprocess.Popen(argv, env=server_env(binary), stdout=logf, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=sdir)
     info = ServerInfo(pid=proc.pid, host=opts.host, http_port=opts.http_port, grpc_port=opts.grpc_port,
                       metrics_port=opts.metrics_port, repository=str(repository), log_file=str(log_file),
-                      argv=argv, started=time.time())
-    atomic_write_text(_state_file(workdir), json.dumps(asdict(info), indent=2) + "\n")
+                      argv=redacted(argv), started=time.time(), start_ticks=start_ticks(proc.pid) or 0,
+                      boot_id=boot_id(), instance=instance, workdir=str(workdir), admin_token=token)
+    _write_state(workdir, info)
     try:
         wait_ready(info, opts.timeout, proc=proc, progress=say)
     except BaseException:
@@ -288,33 +404,51 @@ def stop(workdir: str | Path, timeout: float = 30.0) -> ServerInfo | None:
     info = read_state(workdir)
     if info is None:
         return None
-    if _alive(info.pid) and not _is_tritonserver(info.pid):
-        log.warning("pid %d is no longer tritonserver; removing the stale %s", info.pid, _state_file(workdir))
+    here = str(Path(workdir).resolve())
+    if info.workdir and info.workdir != here:
+        raise ServerError(f"{_state_file(workdir)} records a server started from {info.workdir}, not {here}; "
+                          f"nothing was signalled. Run `specbuild stop --workdir {info.workdir}`.")
+    why = why_not_ours(info)
+    members = _our_members(info)
+    if why is not None and not members:
+        if _alive(info.pid):
+            # the pid runs, but it cannot be shown to be our server: never signal it
+            raise ServerError(f"not stopping pid {info.pid}: {why}. Nothing was signalled. If our server is "
+                              f"gone, remove {_state_file(workdir)}; if it still runs, stop it yourself "
+                              f"(`ps -o pid,lstart,args -p {info.pid}`, then kill it).")
+        log.warning("%s; removing the stale %s", why, _state_file(workdir))
         _state_file(workdir).unlink(missing_ok=True)
         return None
     pgid = info.pid  # start_new_session=True: the server leads its own process group
-    if _alive(info.pid) or _group_members(pgid):
+
+    def leader() -> bool:
+        return why_not_ours(info) is None
+
+    def group() -> list[int]:
+        return _our_members(info)
+
+    if leader() or group():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         orphaned_at = None
-        while (_alive(info.pid) or _group_members(pgid)) and time.monotonic() < deadline:
-            if not _alive(info.pid):
+        while (leader() or group()) and time.monotonic() < deadline:
+            if not leader():
                 # tritonserver is gone; what is left are its Python stubs, possibly deep in an engine step for
                 # requests nobody waits for any more: a short grace to exit on their own, then SIGKILL.
                 orphaned_at = orphaned_at or time.monotonic()
                 if time.monotonic() - orphaned_at > ORPHAN_GRACE_S:
                     break
             time.sleep(0.1)
-        if _alive(info.pid):
+        if leader():
             log.warning("tritonserver (pid %d) did not exit within %.0fs; sending SIGKILL", info.pid, timeout)
-        if _alive(info.pid) or _group_members(pgid):
+        if leader() or group():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             end = time.monotonic() + 10
-            while (_alive(info.pid) or _group_members(pgid)) and time.monotonic() < end:
+            while (leader() or group()) and time.monotonic() < end:
                 time.sleep(0.1)
-    left = [p for p in [info.pid, *_group_members(pgid)] if _alive(p)]
+    left = [p for p in ([info.pid] if leader() else []) + group() if _alive(p)]
     if left:
         raise ServerError(f"processes {sorted(set(left))} of the server survived SIGKILL; check them with ps.")
     _wait_ports_free(info, 10.0)
@@ -339,7 +473,7 @@ def _wait_ports_free(info: ServerInfo, timeout: float) -> None:
 def status(workdir: str | Path) -> dict:
     """What `specbuild status` prints: running?, ready?, URLs, models and their states."""
     info = read_state(workdir)
-    if info is None or not _alive(info.pid) or not _is_tritonserver(info.pid):
+    if info is None or why_not_ours(info) is not None:
         return {"running": False, "stale_state": info is not None}
     out = {"running": True, "pid": info.pid, "http": info.http_url, "grpc": info.grpc_url,
            "metrics": info.metrics_url, "log": info.log_file, "repository": info.repository,
@@ -347,7 +481,8 @@ def status(workdir: str | Path) -> dict:
     with contextlib.suppress(Exception):
         import httpx
 
-        index = httpx.post(f"{info.http_url}/v2/repository/index", json={}, timeout=5).json()
+        index = httpx.post(f"{info.http_url}/v2/repository/index", json={}, headers=info.admin_headers,
+                           timeout=5).json()
         out["models"] = {m["name"]: m.get("state", "?") for m in index}
     return out
 
@@ -359,7 +494,7 @@ def serve_foreground(workdir: str | Path, opts: ServeOptions = ServeOptions(), *
     info = None
     try:
         info = start(workdir, opts, repository=repository, progress=progress)  # cleans up on its own failure
-        while _alive(info.pid):
+        while why_not_ours(info) is None:
             time.sleep(0.5)
         raise ServerError(f"tritonserver exited unexpectedly; last lines of {info.log_file}:\n"
                           f"{log_tail(info.log_file)}")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from specbuild.core.errors import SourceError
-from specbuild.core.manifest import HashCache
+from specbuild.core.manifest import HashCache, umask
 from specbuild.core.constants import TOKENIZER_FILES  # noqa: F401 (re-exported)
 from specbuild.core.paths import PICKLE_SUFFIXES, cache_dir, model_files  # noqa: F401
 
@@ -153,6 +153,7 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-"))
     try:
+        os.chmod(tmp, 0o777 & ~umask())   # mkdtemp's 0700 would hide the cache from another uid
         yield tmp
         os.replace(tmp, final)
     except BaseException:

@@ -89,6 +89,26 @@ def test_deploy_stage(built):
     assert not deploy(workdir=built, threads=2, force=True).skipped
 
 
+def test_outputs_are_readable_by_a_server_of_another_uid(built):
+    """Under the usual umask 022, manifest.json, every config.pbtxt and model.py come out 0644 (and their
+    directories 0755): a tritonserver running as another user can read them. mkstemp's 0600 stayed before."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        deploy(workdir=built, force=True)
+    finally:
+        os.umask(old)
+    repo = built / "model_repository"
+    files = [p for p in repo.rglob("*") if p.is_file()]
+    assert repo / "manifest.json" in files and repo / "tensorrt_llm" / "config.pbtxt" in files
+    modes = {str(p.relative_to(repo)): stat.S_IMODE(p.stat().st_mode) for p in files}
+    assert {k: oct(m) for k, m in modes.items() if m & 0o044 != 0o044} == {}
+    assert all(stat.S_IMODE(d.stat().st_mode) & 0o055 == 0o055 for d in [repo, *repo.rglob("*")] if d.is_dir())
+    assert stat.S_IMODE((built / "checkpoints" / "manifest.json").stat().st_mode) & 0o044 == 0o044
+
+
 def test_deploy_dry_run_writes_nothing(built, tmp_path):
     before = sorted(p.name for p in built.iterdir())
     out = deploy(workdir=built, max_batch_size=8, dry_run=True)

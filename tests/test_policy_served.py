@@ -71,7 +71,8 @@ def _concurrent_defaults(srv, n: int, tokens: int = 48) -> list:
 def test_the_calibrated_default_policy_is_what_the_server_runs(calibrated):
     policy = EngineConfig.load(calibrated.workdir / "engines").policy
     assert policy.adaptive and policy.proposer == "draft" and policy.source == "build: calibrated, measured cut-off"
-    loaded = httpx.get(f"{calibrated.http_url}/v2/models/tensorrt_llm/config", timeout=30).json()["parameters"]
+    loaded = httpx.get(f"{calibrated.http_url}/v2/models/tensorrt_llm/config", headers=calibrated.info.admin_headers,
+                       timeout=30).json()["parameters"]
     assert loaded["policy"]["string_value"] == ""                    # the build's policy: nothing overrides it
     one = _client(calibrated).generate(PROMPT, max_tokens=48, min_tokens=48, return_perf_metrics=True)
     if policy.max_concurrency == 0:
@@ -102,7 +103,8 @@ def test_tune_apply_changes_what_a_default_request_gets(calibrated, tmp_path):
     applied = json.loads((tmp_path / "tune" / "tune.json").read_text())["applied"]["policy"]
     assert (applied["k"], applied["proposer"], applied["max_concurrency"]) == (2, "draft", None)
     calibrated.restart()
-    loaded = httpx.get(f"{calibrated.http_url}/v2/models/tensorrt_llm/config", timeout=30).json()["parameters"]
+    loaded = httpx.get(f"{calibrated.http_url}/v2/models/tensorrt_llm/config", headers=calibrated.info.admin_headers,
+                       timeout=30).json()["parameters"]
     assert json.loads(loaded["policy"]["string_value"])["k"] == 2
     # A request that sends no K now gets exactly what tune measured: K = 2 with the draft at any concurrency,
     # the same drafts as a request that sends K = 2 itself.

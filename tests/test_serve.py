@@ -210,12 +210,13 @@ def test_stop_does_not_wait_out_the_timeout_for_orphaned_stubs(tmp_path):
     fake.write_text("#!/usr/bin/env bash\n(trap '' TERM; while true; do sleep 0.2; done) &\n"
                     "trap 'exit 0' TERM\nwhile true; do sleep 0.2; done\n")
     fake.chmod(0o755)
-    proc = subprocess.Popen([str(fake)], start_new_session=True)
+    proc = subprocess.Popen([str(fake)], start_new_session=True, env={**os.environ, serve.INSTANCE_ENV: "t1"})
     time.sleep(0.5)
     ports = free_ports(3)
     state = {"pid": proc.pid, "host": "127.0.0.1", "http_port": ports[0], "grpc_port": ports[1],
              "metrics_port": ports[2], "repository": str(tmp_path), "log_file": str(tmp_path / "log"),
-             "argv": [str(fake)], "started": time.time()}
+             "argv": [str(fake)], "started": time.time(), "start_ticks": serve.start_ticks(proc.pid),
+             "boot_id": serve.boot_id(), "instance": "t1", "workdir": str(tmp_path.resolve())}
     (tmp_path / "server").mkdir()
     (tmp_path / "server" / "server.json").write_text(_json.dumps(state))
     assert serve._group_members(proc.pid)

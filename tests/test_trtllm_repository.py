@@ -234,3 +234,37 @@ def test_version_table_matches_the_tag_checkout():
     for model in upstream_facts.MODELS:
         ours = upstream_facts.template_text(family, model).replace("${model_name}", "tensorrt_llm")
         assert upstream_mismatches(ours, (root / model / "config.pbtxt").read_text()) == [], model
+
+
+def test_paths_with_backslash_and_quote_survive_the_config(tmp_path, opts):
+    """A workdir holding `\\` and `"` is written escaped (core.pbtxt), so every config parses back to the exact
+    path; unescaped, the quote ended the string early and the config did not parse (or parsed as another path)."""
+    odd = tmp_path / 'we\\ird "dir'
+    odd.mkdir()
+    configs = repo_configs(odd, opts)
+    engines = (odd / "engines").resolve()
+    assert params(configs["tensorrt_llm"])["gpt_model_path"] == str(engines / "target")
+    assert params(configs["preprocessing"])["tokenizer_dir"] == str((odd / "model_repository" / "tokenizer").resolve())
+
+
+def test_llmapi_yaml_and_config_escape_an_odd_target_path(tmp_path, opts):
+    import yaml
+
+    import shutil
+
+    odd = tmp_path / 'x\\y "z'
+    shutil.copytree(opts["target_dir"], odd)
+    files = written(deploy.plan(context("deploy", tmp_path, {**opts, "target_dir": str(odd),
+                                                             "trtllm_version": "1.0.0"})))
+    [yml] = [t for p, t in files.items() if p.endswith("model.yaml")]
+    assert yaml.safe_load(yml)["model"].endswith('x\\y "z')
+    for path, text in files.items():
+        if path.endswith("config.pbtxt"):
+            parse(text)
+
+
+def test_a_bare_value_that_would_change_the_structure_is_refused():
+    text = 'name: "m"\nmax_batch_size: ${n}\nparameters: { key: "p" value: { string_value: "${p}" } }\n'
+    assert parse(render(text, {"n": 4, "p": 'a"b\\c\nd'})).parameters["p"].string_value == 'a"b\\c\nd'
+    with pytest.raises(SpecbuildError, match="unquoted"):
+        render(text, {"n": "4 } input [ {", "p": "x"})

@@ -278,7 +278,8 @@ def test_tune_end_to_end_against_the_real_server(running_server, tmp_path):
 
     info = serve.start(work, serve_options())
     try:
-        loaded = httpx.get(f"{info.http_url}/v2/models/tensorrt_llm/config", timeout=30).json()["parameters"]
+        loaded = httpx.get(f"{info.http_url}/v2/models/tensorrt_llm/config", headers=info.admin_headers,
+                           timeout=30).json()["parameters"]
         assert json.loads(loaded["policy"]["string_value"])["k"] == chat["winner"]["k"]
         gen = httpx.post(f"{info.http_url}/v2/models/tensorrt_llm_bls/generate",
                          json={"text_input": "Hello", "max_tokens": 4}, timeout=120)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from specbuild.core.errors import SpecbuildError
 
-from specbuild.core import upstream_facts
+from specbuild.core import pbtxt, upstream_facts
 from specbuild.engines.trtllm.settings import Settings
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -44,8 +44,13 @@ LLMAPI_PYTHON_MODELS = {"tensorrt_llm": "llmapi/tensorrt_llm/1"}
 template = upstream_facts.template   # a packaged template's text, model_repository/trtllm/<relpath>
 
 
-def render(text: str, values: Mapping[str, Any], name: str = "template", *, keep_unset_parameters: bool = False) -> str:
+def render(text: str, values: Mapping[str, Any], name: str = "template", *, keep_unset_parameters: bool = False,
+           syntax: str = "pbtxt") -> str:
     """Substitute every ${key}; refuse unknown keys so no structural placeholder survives into a config.
+
+    A value inside double quotes is escaped for the file's `syntax` ("pbtxt": core.pbtxt, the one escaping
+    of every config.pbtxt renderer; "yaml": YAML's double-quoted escapes); outside quotes a config.pbtxt
+    takes only a bool, number or identifier (a YAML template may splice a block there).
 
     With `keep_unset_parameters` (the upstream templates), a placeholder that is a whole parameter value and
     has no value stays literal, exactly as upstream's fill_template leaves it.
@@ -55,17 +60,26 @@ def render(text: str, values: Mapping[str, Any], name: str = "template", *, keep
     missing = sorted(needed - optional - set(values))
     if missing:
         raise SpecbuildError(f"internal error: {name} needs values for {missing}")
-    out = PLACEHOLDER.sub(lambda m: _fmt(values[m.group(1)]) if m.group(1) in values else m.group(0), text)
+    out = PLACEHOLDER.sub(lambda m: _fmt(values[m.group(1)], _in_string(m.string, m.start()), syntax)
+                          if m.group(1) in values else m.group(0), text)
     left = {m.group(1) for m in PLACEHOLDER.finditer(out)}
     if left - optional:
         raise SpecbuildError(f"internal error: {name} still holds a placeholder after rendering")
     return out
 
 
-def _fmt(value: Any) -> str:
+def _in_string(text: str, pos: int) -> bool:
+    """Whether `pos` lies inside a double-quoted string of its line (the templates put one value per quote)."""
+    line = text[text.rfind("\n", 0, pos) + 1:pos]
+    return len(re.findall(r'(?<!\\)"', line)) % 2 == 1
+
+
+def _fmt(value: Any, in_string: bool, syntax: str = "pbtxt") -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    return str(value)
+    if syntax == "yaml":
+        return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") if in_string else str(value)
+    return pbtxt.escape(str(value)) if in_string else pbtxt.bare(value)
 
 
 def participant_ids(s: Settings) -> dict[str, str]:
@@ -150,7 +164,8 @@ def llmapi_repository(s: Settings, *, target_dir: Path, llm_api_yaml: str) -> di
     values = {"trtllm_version": s.recipe.trtllm_version, "target_dir": target_dir,
               "llm_api_options": llm_api_yaml.rstrip("\n"), "decoupled": False}
     files = {"tensorrt_llm/config.pbtxt": render(template("llmapi/tensorrt_llm/config.pbtxt"), values, "llmapi"),
-             "tensorrt_llm/1/model.yaml": render(template("llmapi/tensorrt_llm/1/model.yaml"), values, "model.yaml")}
+             "tensorrt_llm/1/model.yaml": render(template("llmapi/tensorrt_llm/1/model.yaml"), values, "model.yaml",
+                                                 syntax="yaml")}
     from specbuild.engines.trtllm.llmapi import check_model_yaml
     check_model_yaml(s.recipe.trtllm_version, files["tensorrt_llm/1/model.yaml"], where="Triton's llmapi model.yaml")
     return files
