@@ -26,7 +26,8 @@ from specbuild.core.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.build import llm_api_options, to_yaml
-from specbuild.engines.trtllm.common import BUILD_KEYS, source_dir, upstream_path, upstream_root, upstream_settings
+from specbuild.engines.trtllm.common import (BUILD_KEYS, planned_source_dir, upstream_path, upstream_root,
+                                             upstream_settings)
 from specbuild.engines.trtllm.launch import engine_launch, launch_json, launch_script, llmapi_launch
 from specbuild.engines.trtllm.repository import (ENGINE_MODELS, LLMAPI_PYTHON_MODELS, PYTHON_MODELS, UPSTREAM_CONFIGS,
                                                  engine_repository, llmapi_repository, upstream_mismatches)
@@ -42,8 +43,10 @@ def final_dir(ctx: StageContext) -> Path:
     return (Path(ctx.workdir) / STAGE_DIRS["deploy"]).resolve()
 
 
-def render_files(ctx: StageContext, s: Settings, options: dict[str, Any]) -> dict[str, str]:
-    """{path relative to the stage dir: content} of every file deploy writes itself."""
+def render_files(ctx: StageContext, s: Settings, options: dict[str, Any],
+                 assumed: list[str] | None = None) -> dict[str, str]:
+    """{path relative to the stage dir: content} of every file deploy writes itself (`assumed` collects what a
+    chain of dry runs had to assume: the source directories convert has not recorded yet)."""
     root = final_dir(ctx)
     files: dict[str, str] = {}
     if s.recipe.generation == ENGINE:
@@ -51,7 +54,9 @@ def render_files(ctx: StageContext, s: Settings, options: dict[str, Any]) -> dic
         repo = engine_repository(s, engines_dir=engines, tokenizer_dir=root / "tokenizer")
         launch = engine_launch(s, root / TRITON_DIR)
     else:
-        target, draft = source_dir(options, "target"), source_dir(options, "draft")
+        (target, t_note), (draft, d_note) = (planned_source_dir(ctx, options, role) for role in ("target", "draft"))
+        if assumed is not None:
+            assumed += [n for n in (t_note, d_note) if n]
         body = to_yaml(llm_api_options(s, draft))
         repo = llmapi_repository(s, target_dir=target, llm_api_yaml=body)
         files[SERVE_YAML] = body
@@ -83,7 +88,9 @@ def plan(ctx: StageContext) -> list[PlanStep]:
     inferred = inferred_note(s)
     if inferred:
         steps.append(PlanStep("note", note=inferred))
-    rendered = render_files(ctx, s, options)
+    assumed: list[str] = []
+    rendered = render_files(ctx, s, options, assumed)
+    steps += [PlanStep("note", note=n) for n in assumed]
     for rel, text in rendered.items():
         steps.append(PlanStep("write", path=str(out / rel), content=text))
     for model, src in _python_sources(s).items():
