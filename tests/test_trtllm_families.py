@@ -174,9 +174,20 @@ def test_rehearse_chain_from_the_cli_records_the_plan_and_a_gpu_deploy_refuses_i
 def test_gathered_trees_are_the_families_they_claim():
     trees = gathered_trees()
     if not trees:
-        pytest.skip("no gathered upstream trees (scripts/gather_trtllm_upstream.py); CI has only PyPI")
+        pytest.skip("no gathered upstream trees (scripts/gather_trtllm_upstream.py; ../shared/upstream/trtllm-backend)")
     for family, tree in trees.items():
         assert upstream_facts.extract_tree(tree) == upstream_facts.families()[family]["models"], family
+
+
+def test_rehearsals_use_upstreams_trees_beside_the_repository_by_default(monkeypatch):
+    from trtllm_support import SHARED_UPSTREAM, UPSTREAM_ENV, gathered_root
+    monkeypatch.delenv(UPSTREAM_ENV, raising=False)
+    if not SHARED_UPSTREAM.is_dir():
+        pytest.skip(f"no {SHARED_UPSTREAM} beside this checkout")
+    assert gathered_root() == SHARED_UPSTREAM
+    assert {"0.18", "0.19", "0.20"} <= set(gathered_trees())
+    monkeypatch.setenv(UPSTREAM_ENV, "/nowhere")            # the variable still wins
+    assert gathered_root() == Path("/nowhere") and gathered_trees() == {}
 
 
 def test_llmapi_standin_keeps_the_release_rules(monkeypatch):
