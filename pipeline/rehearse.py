@@ -187,10 +187,13 @@ def prepare_llmapi(workdir: Path, deploy_dir: Path, manifest: dict[str, Any], ba
     tmp = root / "triton.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     dst = tmp / "tensorrt_llm"
-    shutil.copytree(upstream, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "config.pbtxt",
-                                                                 "model.yaml"))
-    shutil.copy2(deployed / "config.pbtxt", dst / "config.pbtxt")
-    shutil.copy2(deployed / "1" / "model.yaml", dst / "1" / "model.yaml")
+    # The deployed model as a real deploy leaves it: what deploy rendered (config.pbtxt, 1/model.yaml), then
+    # upstream's 1/ copied by deploy's own function, which keeps the rendered files (model.yaml included).
+    from specbuild.engines.trtllm.deploy import copy_container_model, rendered_in
+    shutil.copytree(deployed, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    rendered = (manifest.get("extra") or {}).get("rendered")
+    ours = rendered_in(rendered, "tensorrt_llm") if rendered is not None else {"model.yaml"}
+    copy_container_model(upstream / "1", dst / "1", ours=ours)
     pkg = resources.files("specbuild.model_repository") / "rehearsal" / "tensorrt_llm_llmapi" / "tensorrt_llm"
     _copy_resource_tree(pkg, dst / "1" / "tensorrt_llm")
     final_stats = root / "triton" / "tensorrt_llm" / "1" / "stats.json"

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Gather upstream's own Triton models (TensorRT-LLM's triton_backend) into a directory outside the project,
-for `specbuild serve --rehearse --backend-models-dir DIR` and the rehearsal tests (SPECBUILD_TRTLLM_UPSTREAM).
+for `specbuild serve --rehearse --backend-models-dir DIR` and the rehearsal tests, which read
+`../shared/upstream/trtllm-backend/` beside the repository (the default --out) unless SPECBUILD_TRTLLM_UPSTREAM
+names another folder.
 
 Nothing gathered is copied into the project: the output is one tree per source, laid out as the container's
 /app/all_models (`<out>/<label>/inflight_batcher_llm/<model>/{config.pbtxt,1/...}`, `<label>/llmapi/...`),
@@ -16,9 +18,10 @@ Sources (any number; each gives one tree):
   --container-models DIR        a container's /app/all_models (docker cp out of the release image).
 
 Example:
-  python scripts/gather_trtllm_upstream.py --out ~/.cache/specbuild/trtllm-upstream \\
-      --backend-git /path/to/tensorrtllm_backend.git
-  SPECBUILD_TRTLLM_UPSTREAM=~/.cache/specbuild/trtllm-upstream pytest tests/test_rehearsal.py
+  python scripts/gather_trtllm_upstream.py --backend-git /path/to/tensorrtllm_backend.git   # -> ../shared/...
+  pytest tests/test_rehearsal.py
+  python scripts/gather_trtllm_upstream.py --out ~/elsewhere --backend-git /path/to/tensorrtllm_backend.git
+  SPECBUILD_TRTLLM_UPSTREAM=~/elsewhere pytest tests/test_rehearsal.py
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from pathlib import Path
 
 DEFAULT_REFS = ("v0.18.0", "v0.19.0", "c2e65b88d85255be30cf50440a91662abeb497dd")
 TREES = ("inflight_batcher_llm", "llmapi")
+# beside the repository, where the rehearsal tests look when SPECBUILD_TRTLLM_UPSTREAM is unset
+SHARED_OUT = Path(__file__).resolve().parents[1].parent / "shared" / "upstream" / "trtllm-backend"
 
 
 def _git(git_dir: Path, *args: str) -> str:
@@ -111,7 +116,8 @@ def from_tree(root: Path, out: Path, label: str, repo: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--out", required=True, type=Path, help="directory to gather into (outside the project)")
+    ap.add_argument("--out", type=Path, default=SHARED_OUT,
+                    help=f"directory to gather into, outside the project (default {SHARED_OUT})")
     ap.add_argument("--backend-git", type=Path, help="tensorrtllm_backend git dir or clone")
     ap.add_argument("--ref", action="append", help=f"refs of --backend-git (default {' '.join(DEFAULT_REFS)})")
     ap.add_argument("--trtllm-checkout", type=Path, action="append", default=[])

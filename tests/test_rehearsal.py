@@ -1,8 +1,8 @@
 """`serve --rehearse`: the TensorRT-LLM repository on the real CPU tritonserver with upstream's own Python models.
 
 Needs upstream's models: a tensorrtllm_backend release checkout in $SPECBUILD_TRTLLM_BACKEND_DIR, else the newest tree
-gathered by scripts/gather_trtllm_upstream.py ($SPECBUILD_TRTLLM_UPSTREAM, default ~/.cache/specbuild/trtllm-upstream);
-skips with the reason otherwise.
+gathered by scripts/gather_trtllm_upstream.py ($SPECBUILD_TRTLLM_UPSTREAM, else ../shared/upstream/trtllm-backend beside
+the repository, which a clone and CI have, else ~/.cache/specbuild/trtllm-upstream); skips with the reason otherwise.
 The chain convert -> build -> deploy --backend trtllm runs with the recording tensorrt_llm stand-in and fake
 trtllm-build (TensorRT-LLM cannot exist here); the rehearsal then serves the deployed configs, upstream's
 preprocessing / postprocessing / tensorrt_llm_bls, and the stand-in engines on the tiny model pair.

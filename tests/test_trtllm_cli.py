@@ -34,6 +34,28 @@ def test_dry_run_chain_prints_the_plan_and_writes_nothing(tiny_llama, tiny_llama
     assert not w.exists() or not any(w.iterdir()), "a dry run must not write into the workdir"
 
 
+@pytest.mark.parametrize("pin", [[], ["--trtllm-version", "1.0.0"]], ids=["default-1.2.1-llmapi", "1.0.0-llmapi"])
+def test_dry_run_chain_on_the_default_llmapi_path_states_what_it_assumed(tiny_llama, tiny_llama_draft, tmp_path,
+                                                                        pin):
+    """convert, build and deploy --dry-run in a row, on the default path (llmapi): build and deploy cannot know the
+    directories convert will record, so they name them as assumed instead of stopping for a --draft they lack."""
+    w = tmp_path / "w"
+    r = _run("convert", "--backend", "trtllm", "--target", str(tiny_llama), "--draft", str(tiny_llama_draft),
+             "--workdir", str(w), "--dry-run", *pin)
+    assert r.exit_code == 0, r.output
+    assert "llmapi path" in r.output
+    r = _run("build", "--backend", "trtllm", "--workdir", str(w), "--max-draft-len", "5", "--dry-run", *pin)
+    assert r.exit_code == 0, r.output
+    assert "llm_api_options.yaml" in r.output and "max_draft_len: 5" in r.output
+    assert "convert has not run" in r.output and "<the --draft given to convert>" in r.output
+    r = _run("deploy", "--backend", "trtllm", "--workdir", str(w), "--dry-run", *pin)
+    assert r.exit_code == 0, r.output
+    assert "speculative_config:" in r.output and "trtllm-serve" in r.output
+    assert "<the --target given to convert>" in r.output and "<the --draft given to convert>" in r.output
+    assert "not known until convert runs" in r.output
+    assert not w.exists() or not any(w.iterdir()), "a dry run must not write into the workdir"
+
+
 def test_trtllm_only_deploy_flags_are_refused_for_embedded(tmp_path):
     r = _run("deploy", "--workdir", str(tmp_path), "--fast-logits")
     assert r.exit_code == 2 and "--backend trtllm only" in r.output

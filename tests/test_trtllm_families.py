@@ -176,9 +176,20 @@ def test_rehearse_chain_from_the_cli_records_the_plan_and_a_gpu_deploy_refuses_i
 def test_gathered_trees_are_the_families_they_claim():
     trees = gathered_trees()
     if not trees:
-        pytest.skip("no gathered upstream trees (scripts/gather_trtllm_upstream.py); CI has only PyPI")
+        pytest.skip("no gathered upstream trees (scripts/gather_trtllm_upstream.py; ../shared/upstream/trtllm-backend)")
     for family, tree in trees.items():
         assert upstream_facts.extract_tree(tree) == upstream_facts.families()[family]["models"], family
+
+
+def test_rehearsals_use_upstreams_trees_beside_the_repository_by_default(monkeypatch):
+    from trtllm_support import SHARED_UPSTREAM, UPSTREAM_ENV, gathered_root
+    monkeypatch.delenv(UPSTREAM_ENV, raising=False)
+    if not SHARED_UPSTREAM.is_dir():
+        pytest.skip(f"no {SHARED_UPSTREAM} beside this checkout")
+    assert gathered_root() == SHARED_UPSTREAM
+    assert {"0.18", "0.19", "0.20"} <= set(gathered_trees())
+    monkeypatch.setenv(UPSTREAM_ENV, "/nowhere")            # the variable still wins
+    assert gathered_root() == Path("/nowhere") and gathered_trees() == {}
 
 
 def test_llmapi_standin_keeps_the_release_rules(monkeypatch):
@@ -211,3 +222,41 @@ def test_llmapi_standin_keeps_the_release_rules(monkeypatch):
                                          "speculative_model": "/d"})
     with pytest.raises(TypeError, match="unexpected keyword argument 'beam'"):
         sa.SamplingParams(beam=2)
+
+
+def _dims(family: str, model: str, kind: str, name: str) -> list[int]:
+    return next(t["dims"] for t in upstream_facts.model_facts(family, model)[kind] if t["name"] == name)
+
+
+def test_the_1_1_and_1_2_preprocessing_declares_image_sizes_as_upstream_does(tmp_path, opts):
+    """TensorRT-LLM PR #6714 (pixtral) made preprocessing's output IMAGE_SIZES one row per image: both stored versions
+    of triton_backend/all_models/inflight_batcher_llm/preprocessing/config.pbtxt after it (808059da, 08dc37e3)
+    declare dims [ -1, 2 ]; the 0.20 tree (tensorrtllm_backend c2e65b8) and the families before the PR keep [ 2 ]."""
+    for family in ("1.1", "1.2"):
+        assert _dims(family, "preprocessing", "outputs", "IMAGE_SIZES") == [-1, 2], family
+        assert _dims(family, "preprocessing", "inputs", "IMAGE_SIZES") == [-1, 2], family
+    for family in ("0.18", "0.19", "0.20", "0.21", "1.0"):
+        assert _dims(family, "preprocessing", "outputs", "IMAGE_SIZES") == [2], family
+    files = written(deploy.plan(context("deploy", tmp_path, {**opts, "trtllm_version": "1.2.1",
+                                                             "trtllm_generation": "engine"})))
+    ours = next(t for p, t in files.items() if p.endswith("preprocessing/config.pbtxt"))
+    assert '{ name: "IMAGE_SIZES" data_type: TYPE_INT64 dims: [ -1, 2 ] },' in ours
+
+
+def test_serve_rehearse_accepts_upstreams_1x_preprocessing(tmp_path, opts):
+    """Upstream's 1.x preprocessing config, made from the 0.20 tree by PR #6714's edits (as 808059da holds them),
+    matches what deploy writes for 1.2.1 (the rehearsal compares them and refused a mismatch)."""
+    import re
+    from trtllm_support import upstream_tree
+    tree, _ = upstream_tree("0.20")
+    text = (tree / "inflight_batcher_llm" / "preprocessing" / "config.pbtxt").read_text()
+    url = re.compile(r'(name: "IMAGE_URL"\s+data_type: TYPE_STRING\s+dims: \[ )1( \]\s+optional: true\s+\},)')
+    text, n = url.subn(r'\g<1>-1\g<2>\n    {\n        name: "IMAGE_SIZES"\n        data_type: TYPE_INT64\n'
+                       r'        dims: [ -1, 2 ]\n        optional: true\n    },', text)
+    out = re.compile(r'(name: "IMAGE_SIZES"\s+data_type: TYPE_INT64\s+dims: \[ )2( \]\s+\},)')
+    text, m = out.subn(r"\g<1>-1, 2\g<2>", text)
+    assert n == 1 and m == 1
+    files = written(deploy.plan(context("deploy", tmp_path, {**opts, "trtllm_version": "1.2.1",
+                                                             "trtllm_generation": "engine"})))
+    ours = next(t for p, t in files.items() if p.endswith("preprocessing/config.pbtxt"))
+    assert upstream_mismatches(ours, text) == []

@@ -137,3 +137,65 @@ def test_build_argv_helper_matches_plan_for_draft_without_logits(tmp_path):
     assert argv[:7] == ["trtllm-build", "--checkpoint_dir", str(tmp_path / "c"), "--output_dir", str(tmp_path / "e"),
                         "--gemm_plugin", "bfloat16"]
     assert "--speculative_decoding_mode" not in argv and "--gather_generation_logits" not in argv
+
+
+UPSTREAM_LIKE_MODEL_YAML = """# ======= TRTLLM Model Configurations =======
+model: TinyLlama/TinyLlama-1.1B-Chat-v1.0
+backend: "pytorch"
+tensor_parallel_size: 1
+pipeline_parallel_size: 1
+triton_config:
+  max_batch_size: 0
+  decoupled: False
+"""
+
+
+def container_llmapi_tree(root):
+    """A temp dir shaped like the container's triton_backend/all_models/llmapi/tensorrt_llm/: upstream ships a 1/
+    holding model.py, helpers.py and its own model.yaml (TinyLlama, no speculative_config), and a config.pbtxt."""
+    model = root / "triton_backend" / "all_models" / "llmapi" / "tensorrt_llm"
+    (model / "1" / "__pycache__").mkdir(parents=True)
+    (model / "1" / "model.py").write_text("# upstream llmapi model.py\n")
+    (model / "1" / "helpers.py").write_text("# upstream helpers.py\n")
+    (model / "1" / "model.yaml").write_text(UPSTREAM_LIKE_MODEL_YAML)
+    (model / "1" / "__pycache__" / "model.cpython-312.pyc").write_bytes(b"\0")
+    (model / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 0\n')
+    return root / "triton_backend" / "all_models"
+
+
+def test_llmapi_deploy_against_a_container_tree_keeps_our_model_yaml(tmp_path, monkeypatch, tiny_llama,
+                                                                     tiny_llama_draft):
+    root = make_standin_tensorrt_llm(tmp_path / "standin", version="1.2.1")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TRTLLM_STANDIN_LOG", str(tmp_path / "calls.jsonl"))
+    try:
+        work = tmp_path / "work"
+        common = {"trtllm_version": "1.2.1"}
+        run_stage("convert", backend="trtllm", workdir=work, inputs={},
+                  options={"target_dir": str(tiny_llama), "draft_dir": str(tiny_llama_draft), **common})
+        run_stage("build", backend="trtllm", workdir=work, upstream_stage="convert", inputs={},
+                  options={"max_draft_len": 4, **common})
+        models = container_llmapi_tree(tmp_path / "container")
+        dep = run_stage("deploy", backend="trtllm", workdir=work, upstream_stage="build", inputs={},
+                        options={"backend_models_dir": str(models), **common})
+    finally:
+        for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
+            del sys.modules[name]
+    assert dep.manifest["extra"]["recipe"]["generation"] == "llmapi"
+    model = work / "model_repository" / "triton" / "tensorrt_llm"
+    served = (model / "1" / "model.yaml").read_text()
+    assert "speculative_config:" in served and str(tiny_llama_draft) in served
+    assert "TinyLlama" not in served and f'model: "{tiny_llama}"' in served
+    assert (work / "model_repository" / "trtllm_serve.yaml").read_text() in served
+    # upstream's Python sources came along; our config.pbtxt stayed ours; no bytecode
+    assert (model / "1" / "model.py").read_text() == "# upstream llmapi model.py\n"
+    assert (model / "1" / "helpers.py").is_file() and not (model / "1" / "__pycache__").exists()
+    assert (model / "config.pbtxt").read_text() != (models / "llmapi" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert 'backend: "python"' in (model / "config.pbtxt").read_text()
+    # serve --rehearse assembles its copy with deploy's own copy: the same model.yaml, upstream's model.py
+    from specbuild.pipeline import rehearse
+    repo = rehearse.prepare(work, models)
+    assert (repo / "tensorrt_llm" / "1" / "model.yaml").read_text() == served
+    assert (repo / "tensorrt_llm" / "1" / "model.py").read_text() == "# upstream llmapi model.py\n"
+    assert (repo / "tensorrt_llm" / "config.pbtxt").read_text() == (model / "config.pbtxt").read_text()

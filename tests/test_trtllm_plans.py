@@ -13,7 +13,9 @@ from specbuild.engines.trtllm import build, convert, deploy
 from specbuild.core.errors import CheckFailed, ToolNotAvailable, UsageError
 from specbuild.pipeline.stage import run_stage
 
-WORKER = [sys.executable, "-m", "specbuild.engines.trtllm.convert_rank"]
+# a plan names the container's python3 for the converter unless tensorrt_llm imports here (inside the container)
+PYTHON = sys.executable if importlib.util.find_spec("tensorrt_llm") is not None else "python3"
+WORKER = [PYTHON, "-m", "specbuild.engines.trtllm.convert_rank"]
 
 
 @pytest.fixture
@@ -42,6 +44,19 @@ def test_convert_dry_run_through_run_stage_is_exact_per_rank(tmp_path, opts, tin
                                  "detected": False, "backend_family": "0.18", "untested": False}
     assert sources["target"]["vocab_size"] == sources["draft"]["vocab_size"]
     assert not (tmp_path / "checkpoints").exists(), "a dry run writes nothing"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed here")
+def test_rehearsal_plan_names_the_containers_python_not_this_machines(tmp_path, opts):
+    run_stage("convert", backend="trtllm", workdir=tmp_path, inputs={},
+              options={**opts, "trtllm_generation": "engine", "rehearse": True})
+    text = (tmp_path / "checkpoints" / "rehearsal_plan.json").read_text()
+    argvs = [s["run"] for s in json.loads(text)["steps"] if "run" in s]
+    assert len(argvs) == 2 and all(a[:3] == ["python3", "-m", "specbuild.engines.trtllm.convert_rank"]
+                                   for a in argvs)
+    assert sys.executable not in text
+    assert any("python3" in s.get("note", "") and "25.03-trtllm-python-py3" in s.get("note", "")
+               for s in json.loads(text)["steps"])
 
 
 def test_convert_fp8_is_one_calibrated_run_per_model(tmp_path, opts, tiny_llama):

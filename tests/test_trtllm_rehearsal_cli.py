@@ -1,8 +1,8 @@
 """From the CLI alone, on this machine without TensorRT-LLM: convert -> build -> deploy --backend trtllm --rehearse,
 then `specbuild serve --rehearse --backend-models-dir DIR` with upstream's own Python models (the newest tree
 gathered by scripts/gather_trtllm_upstream.py: tensorrtllm_backend c2e65b8, the 0.20 tree), for TensorRT-LLM 1.2.1
-(engine path and llmapi path) and 0.20.0. Greedy output with drafts equals target-only output. Skips with the
-reason when no tree was gathered (CI has only PyPI)."""
+(engine path and llmapi path) and 0.20.0. Greedy output with drafts equals target-only output. The trees: ../shared/upstream/trtllm-backend beside the
+repository (or $SPECBUILD_TRTLLM_UPSTREAM); skips with the reason when there is none."""
 
 from __future__ import annotations
 

@@ -185,15 +185,24 @@ def env_with_path(bindir: Path) -> str:
 # ---- upstream's own Triton models (tests that run them) --------------------------------------------------------
 BACKEND_DIR_ENV = "SPECBUILD_TRTLLM_BACKEND_DIR"     # one checkout of a release tag (or its inflight_batcher_llm)
 UPSTREAM_ENV = "SPECBUILD_TRTLLM_UPSTREAM"           # trees gathered by scripts/gather_trtllm_upstream.py
+# Where a clone finds them without the variable: `../shared/upstream/trtllm-backend/` beside the repository
+# (upstream's own v0.18.0, v0.19.0 and c2e65b8 trees with SOURCE.json and the licence; CI clones have it).
+SHARED_UPSTREAM = Path(__file__).resolve().parents[1].parent / "shared" / "upstream" / "trtllm-backend"
 GATHER_HINT = ("gather them outside the project with `python scripts/gather_trtllm_upstream.py --out "
-               "~/.cache/specbuild/trtllm-upstream --backend-git <tensorrtllm_backend clone>` (and/or "
-               "--trtllm-checkout <TensorRT-LLM clone at a release tag>), or set SPECBUILD_TRTLLM_BACKEND_DIR to a "
-               "tensorrtllm_backend checkout of a release tag; CI has only PyPI, which carries none of these files")
+               f"{SHARED_UPSTREAM} --backend-git <tensorrtllm_backend clone>` (and/or "
+               "--trtllm-checkout <TensorRT-LLM clone at a release tag>), point SPECBUILD_TRTLLM_UPSTREAM at such a "
+               "folder, or set SPECBUILD_TRTLLM_BACKEND_DIR to a tensorrtllm_backend checkout of a release tag")
 
 
 def gathered_root() -> Path:
+    """$SPECBUILD_TRTLLM_UPSTREAM, else ../shared/upstream/trtllm-backend beside the repository when it is there,
+    else the cache's trtllm-upstream/."""
     from specbuild.core.paths import cache_dir
-    return Path(os.environ.get(UPSTREAM_ENV) or cache_dir() / "trtllm-upstream").expanduser()
+    if os.environ.get(UPSTREAM_ENV):
+        return Path(os.environ[UPSTREAM_ENV]).expanduser()
+    if SHARED_UPSTREAM.is_dir():
+        return SHARED_UPSTREAM
+    return cache_dir() / "trtllm-upstream"
 
 
 def gathered_trees() -> dict[str, Path]:

@@ -24,8 +24,8 @@ from specbuild.core.stage import PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.checks import read_json, validate_engine_config
-from specbuild.engines.trtllm.common import (BUILD_KEYS, CONVERT_KEYS, ROLES, hf_config, resolve_dtype, source_dir,
-                                             upstream_path, upstream_settings)
+from specbuild.engines.trtllm.common import (BUILD_KEYS, CONVERT_KEYS, ROLES, hf_config, planned_source_dir,
+                                             resolve_dtype, source_dir, upstream_path, upstream_settings)
 from specbuild.engines.trtllm.runner import require_tensorrt_llm, run_command
 from specbuild.engines.trtllm.settings import Settings
 from specbuild.engines.trtllm.versions import ENGINE
@@ -149,7 +149,10 @@ def plan(ctx: StageContext) -> list[PlanStep]:
                                            f"have speculative_decoding_mode draft_tokens_external and max_draft_len "
                                            f">= {s.max_draft_len}"))
     else:
-        body = llm_api_yaml(s, source_dir(options, "draft"))
+        draft, assumed = planned_source_dir(ctx, options, "draft")
+        if assumed:
+            steps.append(PlanStep("note", note=assumed))
+        body = llm_api_yaml(s, draft)
         steps.append(PlanStep("write", path=str(Path(ctx.out_dir) / OPTIONS_YAML), content=body))
     return steps
 

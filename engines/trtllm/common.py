@@ -155,6 +155,21 @@ def upstream_settings(ctx, fixed: tuple[str, ...]) -> tuple[Settings, dict[str, 
     return s, options, notes
 
 
+def assumed_source(role: str) -> Path:
+    """What a plan names for a source directory convert has not recorded yet (a chain of dry runs)."""
+    return Path(f"<the --{role} given to convert>")
+
+
+def planned_source_dir(ctx, options: Mapping[str, Any], role: str) -> tuple[Path, str | None]:
+    """source_dir(options, role) -> (it, None); in a chain of dry runs, where no earlier stage has run and so no
+    manifest records the directory convert was given, (a placeholder naming it, the note saying so)."""
+    if options.get(f"{role}_dir") or _earlier_manifest(ctx)[1] is not None:
+        return source_dir(options, role), None
+    where = assumed_source(role)
+    return where, (f"the {role} checkpoint directory is not known until convert runs (it records the --{role} it "
+                   f"was given); this plan writes {where} in its place")
+
+
 def recorded_note(ctx, s: Settings) -> str:
     """What this stage took from the earlier stages' manifests, or that it could not know them (dry runs)."""
     stage, manifest = _earlier_manifest(ctx)

@@ -29,6 +29,16 @@ from specbuild.engines.trtllm.settings import Settings
 from specbuild.engines.trtllm.versions import ENGINE
 
 WORKER = "specbuild.engines.trtllm.convert_rank"
+# The interpreter of the TensorRT-LLM containers (nvcr.io/nvidia/tritonserver:<tag>-trtllm-python-py3 and
+# nvcr.io/nvidia/tensorrt-llm/release:<version>): `python3` on PATH, where tensorrt_llm is installed.
+CONTAINER_PYTHON = "python3"
+
+
+def worker_python(s: Settings) -> str:
+    """The interpreter a plan names for the per-rank converter: this one when tensorrt_llm imports here (we are
+    in the container), else the container's `python3`: a dry run or a rehearsal on another machine must not
+    record this machine's interpreter path for a step that runs inside the container."""
+    return sys.executable if s.recipe.detected else CONTAINER_PYTHON
 
 
 def _sources(ctx: StageContext, s: Settings) -> dict[str, dict]:
@@ -46,14 +56,16 @@ def _sources(ctx: StageContext, s: Settings) -> dict[str, dict]:
     return out
 
 
-def commands(ctx: StageContext, s: Settings, sources: dict[str, dict]) -> list[list[str]]:
-    """The exact argv lists convert runs, target first, one per rank (or one calibrated run for FP8)."""
+def commands(ctx: StageContext, s: Settings, sources: dict[str, dict], *, python: str | None = None) -> list[list[str]]:
+    """The exact argv lists convert runs, target first, one per rank (or one calibrated run for FP8); `python`:
+    the interpreter (default: `worker_python`)."""
+    python = python or worker_python(s)
     argvs = []
     for role in ROLES:
         src = sources[role]
         tp, pp = (s.tp, s.pp) if role == "target" else (s.draft_tp, s.draft_pp)
         dtype = resolve_dtype(s.dtype, src["config"])
-        base = [sys.executable, "-m", WORKER, "--model-class", src["class"], "--model-dir", str(src["dir"]),
+        base = [python, "-m", WORKER, "--model-class", src["class"], "--model-dir", str(src["dir"]),
                 "--output-dir", str(Path(ctx.out_dir) / role), "--dtype", dtype,
                 "--tp-size", str(tp), "--pp-size", str(pp)]
         quant = ["--quantization", s.quantization] if s.quantization else []
@@ -80,6 +92,10 @@ def plan(ctx: StageContext) -> list[PlanStep]:
         steps.append(PlanStep("note", note="dtype float32 doubles engine size and cost versus float16; pass --dtype "
                                            "float16 or bfloat16 for GPUs"))
     if s.recipe.generation == ENGINE:
+        if worker_python(s) == CONTAINER_PYTHON:
+            steps.append(PlanStep("note", note=f"tensorrt_llm does not import here: the commands below run inside "
+                                               f"{s.recipe.container}, with its `{CONTAINER_PYTHON}` (where "
+                                               "specbuild is installed beside tensorrt_llm)"))
         steps += [PlanStep("run", argv=argv) for argv in commands(ctx, s, sources)]
         steps.append(PlanStep("note", note=f"copy the target tokenizer from {sources['target']['dir']} to "
                                            f"{Path(ctx.out_dir) / 'tokenizer'}"))
@@ -132,7 +148,7 @@ def run(ctx: StageContext) -> StageResult:
     out = Path(ctx.out_dir)
     outputs: dict[str, object] = {"sources": "sources.json"}
     if s.recipe.generation == ENGINE:
-        for argv in commands(ctx, s, sources):
+        for argv in commands(ctx, s, sources, python=sys.executable):
             ctx.progress(f"convert: {argv[argv.index('--output-dir') + 1]}")
             run_command(argv, log_file=out / "convert.log", progress=ctx.progress, what="convert_rank")
         for role in ROLES:

@@ -26,7 +26,8 @@ from specbuild.core.stage import STAGE_DIRS, PlanStep, StageContext, StageResult
 
 from specbuild.engines.trtllm import rehearsal
 from specbuild.engines.trtllm.build import llm_api_yaml
-from specbuild.engines.trtllm.common import BUILD_KEYS, source_dir, upstream_path, upstream_root, upstream_settings
+from specbuild.engines.trtllm.common import (BUILD_KEYS, planned_source_dir, upstream_path, upstream_root,
+                                             upstream_settings)
 from specbuild.engines.trtllm.launch import engine_launch, launch_json, launch_script, llmapi_launch
 from specbuild.engines.trtllm.repository import (ENGINE_MODELS, LLMAPI_PYTHON_MODELS, PYTHON_MODELS, UPSTREAM_CONFIGS,
                                                  engine_repository, llmapi_repository, upstream_mismatches)
@@ -42,8 +43,10 @@ def final_dir(ctx: StageContext) -> Path:
     return (Path(ctx.workdir) / STAGE_DIRS["deploy"]).resolve()
 
 
-def render_files(ctx: StageContext, s: Settings, options: dict[str, Any]) -> dict[str, str]:
-    """{path relative to the stage dir: content} of every file deploy writes itself."""
+def render_files(ctx: StageContext, s: Settings, options: dict[str, Any],
+                 assumed: list[str] | None = None) -> dict[str, str]:
+    """{path relative to the stage dir: content} of every file deploy writes itself (`assumed` collects what a
+    chain of dry runs had to assume: the source directories convert has not recorded yet)."""
     root = final_dir(ctx)
     files: dict[str, str] = {}
     if s.recipe.generation == ENGINE:
@@ -51,7 +54,9 @@ def render_files(ctx: StageContext, s: Settings, options: dict[str, Any]) -> dic
         repo = engine_repository(s, engines_dir=engines, tokenizer_dir=root / "tokenizer")
         launch = engine_launch(s, root / TRITON_DIR)
     else:
-        target, draft = source_dir(options, "target"), source_dir(options, "draft")
+        (target, t_note), (draft, d_note) = (planned_source_dir(ctx, options, role) for role in ("target", "draft"))
+        if assumed is not None:
+            assumed += [n for n in (t_note, d_note) if n]
         body = llm_api_yaml(s, draft)      # checked against the release's own rules (llmapi.check_yaml)
         repo = llmapi_repository(s, target_dir=target, llm_api_yaml=body)
         files[SERVE_YAML] = body
@@ -83,11 +88,16 @@ def plan(ctx: StageContext) -> list[PlanStep]:
     inferred = inferred_note(s)
     if inferred:
         steps.append(PlanStep("note", note=inferred))
-    for rel, text in render_files(ctx, s, options).items():
+    assumed: list[str] = []
+    rendered = render_files(ctx, s, options, assumed)
+    steps += [PlanStep("note", note=n) for n in assumed]
+    for rel, text in rendered.items():
         steps.append(PlanStep("write", path=str(out / rel), content=text))
     for model, src in _python_sources(s).items():
+        ours = sorted(rendered_in(rendered, model))
+        keep = f" (keeping our {', '.join(ours)}: the container's is not copied over it)" if ours else ""
         steps.append(PlanStep("note", note=f"copy {_models_root(s) / src} -> "
-                                           f"{out / TRITON_DIR / model / '1'}"))
+                                           f"{out / TRITON_DIR / model / '1'}{keep}"))
     if s.recipe.generation == ENGINE:
         steps.append(PlanStep("note", note=f"compare our configs with {_models_root(s)}/inflight_batcher_llm/*/"
                                            "config.pbtxt (tensors, dims, optional flags, parameter keys) and refuse "
@@ -135,9 +145,35 @@ def _copy_python_models(s: Settings, triton: Path, files: dict[str, str]) -> lis
                                   f"--trtllm-version.")
             checks.append({"name": f"{model}_matches_container", "ok": True})
     for model, rel in _python_sources(s).items():
-        shutil.copytree(src_root / rel, triton / model / "1", dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        copy_container_model(src_root / rel, triton / model / "1", ours=rendered_in(files, model))
     return checks
+
+
+def rendered_in(files: dict[str, str], model: str) -> set[str]:
+    """The paths under `<model>/1/` that deploy renders itself (the llmapi model's `model.yaml`)."""
+    prefix = f"{TRITON_DIR}/{model}/1/"
+    return {rel[len(prefix):] for rel in files if rel.startswith(prefix)}
+
+
+def copy_container_model(src: Path, dst: Path, *, ours: set[str]) -> list[str]:
+    """Copy the container's model version directory `src` (`.../<model>/1`) into `dst`, except the files deploy
+    rendered there (`ours`, relative to `dst`) and bytecode; returns what was copied (relative paths).
+
+    Upstream's `llmapi/tensorrt_llm/1/` ships its own `model.yaml` (TensorRT-LLM triton_backend/all_models, e.g.
+    tensorrtllm_backend c2e65b8: `model: TinyLlama/TinyLlama-1.1B-Chat-v1.0`, no speculative_config); copied over
+    ours it would serve that model without speculation. `serve --rehearse` assembles its copy with this function
+    too, so the rehearsal sees exactly what a real deploy serves.
+    """
+    copied = []
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    for path in sorted(Path(src).rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_dir() or "__pycache__" in rel.parts or path.suffix == ".pyc" or rel.as_posix() in ours:
+            continue
+        (Path(dst) / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, Path(dst) / rel)
+        copied.append(rel.as_posix())
+    return copied
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -178,7 +214,7 @@ def run(ctx: StageContext) -> StageResult:
     if inferred:
         ctx.progress(inferred)
         checks.append({"name": "inferred_facts", "ok": True, "detail": inferred})
-    extra = {"recipe": s.recipe.to_dict(), "trtllm_options": options,
+    extra = {"recipe": s.recipe.to_dict(), "trtllm_options": options, "rendered": sorted(files),
              "client_models": ["ensemble", "tensorrt_llm_bls"] if s.recipe.generation == ENGINE
              else ["tensorrt_llm"]}
     if rehearse or rehearsal.upstream_is_rehearsal(ctx.upstream):
