@@ -1,6 +1,6 @@
-"""Hostile requests against the real tritonserver: every case of the soak's catalogue (bench/soak.py HOSTILE),
-to both client-facing models, over `/generate` and `/generate_stream`, gets a 4xx with the reason (the message
-names what was wrong) or is served, and the server keeps serving.
+"""Hostile requests against the real tritonserver: every case of the hostile catalogue (loadtests/hostile.py
+HOSTILE), to both client-facing models, over `/generate` and `/generate_stream`, gets a 4xx with the reason (the
+message names what was wrong) or is served, and the server keeps serving.
 
 Where tritonserver answers 500 itself, before any model code runs (its JSON parser builds those errors with
 TRITONSERVER_ERROR_INTERNAL; docs/serving.md "HTTP 500s that tritonserver answers itself"), the case is a strict
@@ -10,26 +10,13 @@ fixes it shows up as XPASS. No case here is a 5xx of our own code (the soak coun
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from specbuild.loadtests import hostile as soak
+
 pytestmark = pytest.mark.server
 
-
-def _soak():
-    spec = importlib.util.spec_from_file_location("specbuild_bench_soak", ROOT / "bench" / "soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-soak = _soak()
 MODELS = soak.MODELS
 ENDPOINTS = soak.ENDPOINTS
 
