@@ -62,6 +62,9 @@ HOSTILE: dict[str, dict | bytes] = {
     "min_tokens_negative": {"min_tokens": -4},
     "min_tokens_above_max": {"min_tokens": 100},
     "end_id_out_of_vocab": {"end_id": 10 ** 6},
+    # with min_tokens the end id indexes the logits: out of range it failed every request of its prefill step
+    "end_id_out_of_vocab_min_tokens": {"end_id": 10 ** 6, "min_tokens": 4},
+    "end_id_negative_min_tokens": {"end_id": -1, "min_tokens": 4},
     "stream_string": {"stream": "yes"},
     "unknown_input": {"foo": 1},
     "duplicate_key": b'{"text_input": "a", "max_tokens": 8, "max_tokens": 9}',

@@ -29,7 +29,7 @@ UPSTREAM_500 = {"temperature_string", "temperature_bool", "max_tokens_float", "m
                 "seed_overflow_uint64", "stop_words_int", "stream_string", "body_not_json", "body_empty",
                 "body_array"}
 SERVED = {"temperature_tiny", "temperature_huge", "top_p_tiny", "top_k_huge", "top_k_overflow_int32",
-          "seed_max_uint64", "stop_words_nested", "min_tokens_above_max", "end_id_out_of_vocab", "unknown_input"}
+          "seed_max_uint64", "stop_words_nested", "min_tokens_above_max", "unknown_input"}
 SERVED_BY_MODEL = {("num_draft_tokens_huge", "ensemble"), ("num_draft_tokens_negative", "ensemble")}
 # what a refusal's message must name, where it is not the case name's own prefix
 NAMED = {"duplicate_key": "max_tokens", "text_input_60k_tokens": "max_seq_len",
