@@ -54,6 +54,8 @@ HOSTILE: dict[str, dict | bytes] = {
     "seed_max_uint64": {"seed": 2 ** 64 - 1, "temperature": 1.0},
     "stop_word_long": {"stop_words": ["w" * 5000]},
     "stop_words_many": {"stop_words": ["a"] * 100},
+    # 2,000,000 entries (~10 MB of JSON): refused on its count before it is encoded or decoded
+    "stop_words_2m": {"stop_words": ["a"] * 2_000_000},
     "stop_words_int": {"stop_words": [1, 2]},
     "stop_words_nested": {"stop_words": [["a"]]},
     "num_draft_tokens_huge": {"num_draft_tokens": 1000},

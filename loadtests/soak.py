@@ -7,9 +7,12 @@ batch users (non-streaming, longer answers, no think time), ~1 % hostile request
 HOSTILE: NaN / inf / wrong-typed values, oversized prompts and stop words, malformed bodies...) and ~2 %
 client disconnects (a stream dropped after its first piece; a non-streaming `/generate` given up after
 --abandon-timeout s: its request goes on in the server, Triton 2.51 never reports that disconnect). Faults:
-at --pause-at x duration the server (tritonserver and its stubs) is paused with SIGSTOP for --pause-s s and
-resumed with SIGCONT; halfway it is killed (SIGKILL of the process group) and restarted. Requests that
-overlap the pause or the restart are counted as `during_pause` / `during_restart`, not as failures.
+at --pause-at x duration the server (tritonserver, its stubs and the engine process) is paused with SIGSTOP for
+--pause-s s and resumed with SIGCONT; at --flood-at x duration --flood-n requests of `max_tokens: 0` (each a 400)
+arrive from 16 clients at once; halfway the server is killed (SIGKILL) and restarted; at --term-at x duration
+the engine process alone gets SIGTERM, and the `tensorrt_llm` model must start it again. Requests that overlap
+the pause, the restart or the engine's restart are counted as `during_pause` / `during_restart`, not as
+failures.
 
 Before the load every hostile case is sent once to each model and endpoint, one at a time (`hostile_one_by_one`),
 so the report names the status each case gets; under load each hostile request is counted by case and
@@ -27,9 +30,15 @@ life), over the second half of the samples, the Theil-Sen slope of RSS must be <
 and the highest RSS after the warm-up at most --rss-spike-max MB above the post-warm-up median; the thread
 count of the second half must not exceed the first half's.
 
+Slowed by a hostile request (`slowed_by_hostile`): the p99 latency of the good requests that overlapped no
+hostile request (and no fault) is the bound, per profile; a good request that overlapped a hostile one and took
+longer is counted, with the cases it overlapped (~1 % of them by chance).
+
 Gate (exit 1, reasons printed): any wrong text, any good request failed, any 5xx from our code (or a stream
 error / dropped connection) to a hostile request, memory not flat, slots not all free or requests still
-live after the drain, or no good request completed after the pause.
+live after the drain, no good request completed after the pause, the engine not started again after its
+SIGTERM, a flood request answered other than 400, or more than --slowed-max-fraction of the good requests that
+overlapped a hostile one slowed beyond that p99.
 
 Report: bench/results/soak.json (everything, samples included) and soak.png (RSS / threads / slots over time).
 
@@ -221,6 +230,10 @@ class Soak:
         self.inflight = 0
         self.t_start = time.monotonic()
         self.pause: dict | None = None      # {"start", "end"} in soak seconds once a pause began
+        self.windows: list[dict] = []       # other faults' {"start", "end"} (a SIGTERM'd engine's restart)
+        self.good_spans: list[tuple] = []   # (t0, t1, chat) of each good request served
+        self.hostile_spans: list[tuple] = []    # (t0, t1, case) of each hostile request under load
+        self.after_term = {"good_completed": 0, "first_good_s": None}
         self.after_pause = {"good_completed": 0, "first_good_s": None}
         self.samples: list[dict] = []
         self.abandoned_log: list[tuple] = []     # (t, model, prompt, max_tokens) of each /generate given up
@@ -313,6 +326,14 @@ class Soak:
             return
         t1 = self.now()
         self.count("good_served", t1 - t0)
+        with self.lock:
+            self.good_spans.append((t0, t1, chat))
+        for w in self.windows:
+            if t1 > w["start"] and w.get("kind") == "term":
+                with self.lock:
+                    self.after_term["good_completed"] += 1
+                    if self.after_term["first_good_s"] is None:
+                        self.after_term["first_good_s"] = round(t1 - w["start"], 2)
         if self.pause is not None and t1 > self.pause["end"]:
             with self.lock:
                 self.after_pause["good_completed"] += 1
@@ -330,7 +351,11 @@ class Soak:
         if label == "transport_error" and (self.down.is_set() or self._in_fault_window(t0)):
             self.count("during_restart" if self.down.is_set() else "during_pause")
             return
+        self._count_hostile(case, label, message, t0)
+
+    def _count_hostile(self, case: str, label: str, message: str, t0: float) -> None:
         with self.lock:
+            self.hostile_spans.append((t0, self.now(), case))
             self.hostile[case][label] += 1
             self.hostile_examples.setdefault(f"{case} {label}", message[:200])
         self.count("hostile_" + ("bad_ours" if ours_bad(label) else label))
@@ -347,8 +372,10 @@ class Soak:
         return classify(r.status_code, text, stream=ep == "generate_stream")
 
     def _in_fault_window(self, t0: float) -> bool:
-        p = self.pause
-        return p is not None and t0 <= p["end"] + self.args.pause_grace and self.now() >= p["start"]
+        """A request that began before a fault ended (+ --pause-grace) and is answered after it began."""
+        now = self.now()
+        return any(w is not None and t0 <= w["end"] + self.args.pause_grace and now >= w["start"]
+                   for w in [self.pause, *self.windows])
 
     def _fail(self, what: str, t0: float) -> None:
         if self.down.is_set():
@@ -453,6 +480,56 @@ class Soak:
                 "all_free_after_s": freed_s,
                 "good_request_meanwhile": good, "trace": trace[:: max(1, len(trace) // 60)]}
 
+    def flood(self, n: int, concurrency: int = 16) -> dict:
+        """`n` requests of `max_tokens: 0` (each refused: 400) from `concurrency` clients at once, beside the
+        load: cheap invalid requests must not slow the good ones (`slowed_by_hostile`) nor fail any."""
+        t0 = self.now()
+        todo = iter(range(n))
+        lock = threading.Lock()
+        rng = random.Random(self.args.seed + 7)
+
+        def client():
+            while True:
+                with lock:
+                    if next(todo, None) is None:
+                        return
+                    model, ep = rng.choice(MODELS), rng.choice(ENDPOINTS)
+                start = self.now()
+                label, message = self._send_hostile("max_tokens_zero", model, ep, PROMPTS[0], 8)
+                self._count_hostile("max_tokens_zero (flood)", label, message, start)
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.args.request_timeout)
+        return {"kind": "flood", "at_s": round(t0, 1), "requests": n, "concurrency": concurrency,
+                "took_s": round(self.now() - t0, 1), "by_status": dict(self.hostile["max_tokens_zero (flood)"])}
+
+    def term_engine(self) -> dict:
+        """SIGTERM the engine process (not the server): the supervisor must start it again (an exit that the
+        server did not ask for, whatever its code); requests until a good one completes are in a fault window."""
+        pid = self.stub
+        at = self.now()
+        window = {"kind": "term", "start": at, "end": at + 3600}      # open until a new engine answers
+        self.windows.append(window)
+        if pid is None:
+            return {"kind": "term", "at_s": round(at, 1), "error": "no engine process found"}
+        os.kill(pid, signal.SIGTERM)
+        new = None
+        deadline = time.monotonic() + self.args.drain_timeout
+        while time.monotonic() < deadline:
+            new = engine_process(self.info[0].pid, wait_s=0.0)
+            if new is not None and new != pid and _answers_generate(self.base, self.args.request_timeout):
+                break
+            new = None
+            time.sleep(0.5)
+        window["end"] = self.now()
+        if new:
+            self.new_life()         # a new engine process: its memory is judged as a life of its own
+        return {"kind": "term", "at_s": round(at, 1), "engine_pid": pid, "new_engine_pid": new,
+                "back_after_s": round(window["end"] - at, 1) if new else None}
+
     def warmup_burst(self, total: int | None) -> None:
         """Every slot busy at once with long answers, at the start of a server life: the engine's memory reaches
         the high-water mark of a full batch during the warm-up, not later (bench/README.md "Soak")."""
@@ -507,18 +584,73 @@ class Soak:
         self.stub = engine_process(self.info[0].pid)
 
 
+def _answers_generate(base: str, timeout: float) -> bool:
+    try:
+        r = httpx.post(f"{base}/v2/models/tensorrt_llm_bls/generate", timeout=timeout,
+                       json={"text_input": PROMPTS[0], "max_tokens": 2, "num_draft_tokens": 0})
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
+def slowed_by_hostile(good: list[tuple], hostile: list[tuple], windows: list[dict], grace: float) -> dict:
+    """Good requests slowed beyond their p99 by a hostile one: the p99 of the good requests (chat and batch
+    apart) that overlapped no hostile request and no fault is the bound; a good request that overlapped a
+    hostile one and took longer than that bound is counted (with the hostile cases it overlapped). About 1 %
+    of them exceed it by chance: `expected` says how many."""
+    def in_fault(t0, t1):
+        return any(t0 <= w["end"] + grace and t1 >= w["start"] for w in windows if w is not None)
+
+    hostile = sorted(hostile)
+    out: dict = {"by_profile": {}, "slowed": 0, "overlapping": 0, "expected": 0.0, "by_case": {}, "examples": []}
+    for chat in (True, False):
+        spans = [(t0, t1) for t0, t1, c in good if c == chat and not in_fault(t0, t1)]
+        over = {sp: [case for h0, h1, case in hostile if h0 < sp[1] and h1 > sp[0]] for sp in spans}
+        base = sorted(t1 - t0 for (t0, t1), cases in over.items() if not cases)
+        if len(base) < 20:
+            continue
+        p99 = base[min(len(base) - 1, int(0.99 * len(base)))]
+        hit = {sp: cases for sp, cases in over.items() if cases}
+        slow = {sp: cases for sp, cases in hit.items() if sp[1] - sp[0] > p99}
+        name = "chat" if chat else "batch"
+        out["by_profile"][name] = {"p99_alone_s": round(p99, 3), "alone": len(base), "overlapping": len(hit),
+                                   "slowed": len(slow)}
+        out["slowed"] += len(slow)
+        out["overlapping"] += len(hit)
+        out["expected"] += 0.01 * len(hit)
+        for (t0, t1), cases in slow.items():
+            for case in set(cases):
+                out["by_case"][case] = out["by_case"].get(case, 0) + 1
+            if len(out["examples"]) < 10:
+                out["examples"].append({"profile": name, "t0": round(t0, 2), "latency_s": round(t1 - t0, 3),
+                                        "p99_alone_s": round(p99, 3), "hostile": sorted(set(cases))[:5]})
+    out["expected"] = round(out["expected"], 1)
+    out["fraction"] = round(out["slowed"] / out["overlapping"], 4) if out["overlapping"] else 0.0
+    return out
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status, self.message = status, message
 
 
-def kill_server(info) -> None:
-    """SIGKILL the server's process group (tritonserver and its stubs): a crash, not a clean stop."""
+def kill_server(info, engine: int | None = None) -> None:
+    """SIGKILL the server's process group (tritonserver and its stubs) and the engine process (a session of its
+    own): a crash, not a clean stop."""
     try:
         os.killpg(info.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    _signal(engine, signal.SIGKILL)
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if pid is not None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def pause_server(soak: Soak, seconds: float) -> dict:
@@ -529,10 +661,13 @@ def pause_server(soak: Soak, seconds: float) -> dict:
     start = soak.now()
     soak.pause = {"start": start, "end": start + seconds + 3600}   # open until resumed
     soak.phase = "paused"
+    engine = soak.stub          # the engine process leads a session of its own: not in the server's group
     os.killpg(info.pid, signal.SIGSTOP)
+    _signal(engine, signal.SIGSTOP)
     try:
         time.sleep(seconds)
     finally:
+        _signal(engine, signal.SIGCONT)
         os.killpg(info.pid, signal.SIGCONT)
     soak.pause["end"] = soak.now()
     soak.phase = "load"
@@ -615,6 +750,15 @@ def gate(report: dict, args) -> dict:
     for f in report["faults"]:
         if f["kind"] == "pause" and not report["after_pause"]["good_completed"]:
             reasons.append("no good request completed after the pause")
+        if f["kind"] == "term" and not f.get("new_engine_pid"):
+            reasons.append(f"the engine process was not started again after its SIGTERM: {f}")
+        if f["kind"] == "flood" and set(f.get("by_status", {})) - {"400"}:
+            reasons.append(f"the max_tokens=0 flood got other answers than 400: {f['by_status']}")
+    slow = report.get("slowed_by_hostile") or {}
+    if slow.get("overlapping") and slow["slowed"] > max(3, args.slowed_max_fraction * slow["overlapping"]):
+        reasons.append(f"{slow['slowed']} of {slow['overlapping']} good requests that overlapped a hostile one took "
+                       f"longer than the p99 of those that did not (> {args.slowed_max_fraction:g}; by case "
+                       f"{slow['by_case']})")
     probe = report["abandoned"].get("probe")
     if probe is not None:
         if probe["all_free_after_s"] is None:
@@ -656,6 +800,15 @@ def parse_args(argv=None, default_out: Path = Path("soak.json")) -> argparse.Nam
     ap.add_argument("--pause-s", type=float, default=10.0, help="seconds the server stays stopped (default 10)")
     ap.add_argument("--pause-grace", type=float, default=5.0,
                     help="seconds after SIGCONT during which a failure still counts as during_pause")
+    ap.add_argument("--flood-at", type=float, default=0.4,
+                    help="a flood of max_tokens=0 requests at this fraction of the duration (0 = none; default 0.4)")
+    ap.add_argument("--flood-n", type=int, default=500, help="requests in the flood (default 500)")
+    ap.add_argument("--term-at", type=float, default=0.9,
+                    help="SIGTERM the engine process at this fraction of the duration (0 = never; default 0.9: "
+                         "the engine it starts is a server life too short for the memory verdict)")
+    ap.add_argument("--slowed-max-fraction", type=float, default=0.05,
+                    help="largest fraction of the good requests that overlapped a hostile one and took longer "
+                         "than the p99 of those that overlapped none (default 0.05; ~0.01 by chance)")
     ap.add_argument("--sample-interval", type=float, default=1.0, help="seconds between RSS / metrics samples")
     ap.add_argument("--warmup", type=float, default=60.0,
                     help="seconds of each server life excluded from the memory verdict (at most 40%% of the life)")
@@ -691,7 +844,7 @@ def restart_server(soak: Soak, server: "Server", total: int | None) -> dict:
     soak.phase = "restart"
     t_kill = time.monotonic()
     at_s = soak.now()
-    kill_server(soak.info[0])
+    kill_server(soak.info[0], soak.stub)
     time.sleep(1.0)                             # requests in flight see the connection drop
     keep_server_log(soak, soak.workdir)         # the next life's log replaces it
     server.stop()                               # reap and clear the recorded state
@@ -706,7 +859,8 @@ def restart_server(soak: Soak, server: "Server", total: int | None) -> dict:
 
 
 def load(soak: Soak, args, server: "Server", total: int | None) -> list[dict]:
-    """The users' load with the faults (pause, kill) at their times; returns the faults as they happened."""
+    """The users' load with the faults (pause, kill, flood, term) at their times; returns the faults as they
+    happened."""
     deadline = soak.t_start + args.duration
     users = [threading.Thread(target=soak.user, args=(i, i < args.chat_users, deadline), daemon=True)
              for i in range(args.chat_users + args.batch_users)]
@@ -717,10 +871,24 @@ def load(soak: Soak, args, server: "Server", total: int | None) -> list[dict]:
         events.append((args.pause_at * args.duration, "pause"))
     if not args.no_restart:
         events.append((args.duration / 2, "kill"))
+    if args.flood_at > 0 and args.flood_n > 0:
+        events.append((args.flood_at * args.duration, "flood"))
+    if args.term_at > 0:
+        events.append((args.term_at * args.duration, "term"))
     for at, kind in sorted(events):
         time.sleep(max(0.0, at - soak.now()))
         if kind == "kill":
             faults.append(restart_server(soak, server, total))
+            continue
+        if kind == "flood":
+            print(f"{soak.now():.0f}s: a flood of {args.flood_n} max_tokens=0 requests", flush=True)
+            faults.append(soak.flood(args.flood_n))
+            continue
+        if kind == "term":
+            print(f"{soak.now():.0f}s: SIGTERM of the engine process (pid {soak.stub})", flush=True)
+            ev = soak.term_engine()
+            print(f"{soak.now():.0f}s: the engine is back: {ev}", flush=True)
+            faults.append(ev)
             continue
         print(f"{soak.now():.0f}s: pausing the server (SIGSTOP) for {args.pause_s:g}s", flush=True)
         ev = pause_server(soak, args.pause_s)
@@ -783,7 +951,9 @@ def build_report(soak: Soak, args, workdir: Path, one_by_one: dict, faults: list
         "hostile_by_case": {c: dict(sorted(v.items())) for c, v in sorted(soak.hostile.items())},
         "hostile_by_status": dict(sorted(sum(soak.hostile.values(), Counter()).items())),
         "hostile_examples": dict(sorted(soak.hostile_examples.items())),
-        "faults": faults, "after_pause": soak.after_pause, "abandoned": abandoned,
+        "faults": faults, "after_pause": soak.after_pause, "after_term": soak.after_term, "abandoned": abandoned,
+        "slowed_by_hostile": slowed_by_hostile(soak.good_spans, soak.hostile_spans,
+                                               [soak.pause, *soak.windows], args.pause_grace),
         "slots_total": total, "memory": memory, "end": end, "samples": soak.samples,
     }
 
@@ -795,7 +965,8 @@ def write_report(report: dict, args) -> int:
     report["plot"] = png
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     summary = {k: report[k] for k in ("requests_total", "by_kind", "good_failed", "good_wrong_text", "latency_s",
-                                      "hostile_by_status", "faults", "after_pause", "abandoned", "end")}
+                                      "hostile_by_status", "faults", "after_pause", "after_term",
+                                      "slowed_by_hostile", "abandoned", "end")}
     summary["memory"] = [{k: v.get(k) for k in ("verdict", "rss_mb", "rss_slope_mb_per_min_second_half", "threads")}
                          for v in report["memory"]]
     summary["hostile_one_by_one_statuses"] = dict(Counter(
