@@ -162,7 +162,9 @@ METRIC_KEYS = {"slots_free": "specbuild_slots_free", "live": "specbuild_live_req
 
 
 def metrics(url: str, timeout: float = 5.0) -> dict:
-    """The engine's gauges and counters (names from model_repository/embedded/tensorrt_llm/1/model.py)."""
+    """The engine's gauges and counters (names: METRICS in model_repository/embedded/triton_models.py)."""
+    # TODO(i28b): if `serve` puts Triton's admin APIs behind a per-server token header, and /metrics with them,
+    # send that header here (and in `hostile_one_by_one`'s admin-API cases, which i28b adds).
     from specbuild.core.metrics import parse_prometheus
 
     try:

@@ -301,15 +301,17 @@ def test_a_peer_of_another_uid_is_refused_at_both_ends(tmp_path):
     engine socket served by another user (which could read every prompt and write every answer)."""
     from specbuild.engines.embedded.wire_ipc import PeerRefused, check_peer
 
-    d = tmp_path / "open"
-    d.mkdir()
-    os.chmod(tmp_path, 0o755)
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="peercred-", dir="/tmp")     # reachable by the other user (tmp_path is not)
     os.chmod(d, 0o777)
-    path = str(d / "s.sock")
+    path = os.path.join(d, "s.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     os.chmod(path, 0o777)
     srv.listen(1)
+    srv.settimeout(WAIT)
     pid = os.fork()
     if pid == 0:                                  # the other user's process
         try:
@@ -323,13 +325,16 @@ def test_a_peer_of_another_uid_is_refused_at_both_ends(tmp_path):
                 os._exit(0)
         except BaseException:
             os._exit(2)
-    conn, _ = srv.accept()
-    with pytest.raises(PeerRefused, match="uid 65534"):
-        check_peer(conn)
-    _, status = os.waitpid(pid, 0)
+    try:
+        conn, _ = srv.accept()
+        with pytest.raises(PeerRefused, match="uid 65534"):
+            check_peer(conn)
+        conn.close()
+    finally:
+        _, status = os.waitpid(pid, 0)
+        srv.close()
+        shutil.rmtree(d, ignore_errors=True)
     assert os.WEXITSTATUS(status) == 0            # the other end refused us too
-    conn.close()
-    srv.close()
 
 
 def test_the_socket_directory_is_checked_without_following_links(tmp_path, monkeypatch):

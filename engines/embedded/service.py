@@ -96,16 +96,18 @@ class _Connection:
                 return
             self.closed = True
             self._out.clear()
+            try:
+                # wakes a writer blocked in sendall and the reader, and tells the peer; before the writer is
+                # woken: it closes the socket, and a shutdown after that is EBADF (the peer never heard of it)
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._cv.notify_all()
             keys = list(self.keys)
             self.keys.clear()
         if reason:
             log.warning("connection %d (%s) closed: %s; cancelling its %d live request(s)",
                         self.cid, self.role, reason, len(keys))
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)   # wakes a writer blocked in sendall and the reader
-        except OSError:
-            pass
         for key in keys:
             self.service.frontend.cancel(key)
         self.service.forget(self)
