@@ -134,6 +134,9 @@ def test_limit_errors(eng):
         eng.generate(PROMPTS[0], SamplingParams(max_tokens=4), proposer="medusa")
     with pytest.raises(EngineLimitError, match="token ids"):
         eng.generate([1, 10**6], SamplingParams(max_tokens=4))
+    for end_id in (10**6, -1):
+        with pytest.raises(EngineLimitError, match=r"end_id / stop token ids must be in \[0, "):
+            eng.generate(PROMPTS[0], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(end_id,)))
     assert eng.metrics()["waiting"] == 0 and eng.metrics()["running"] == 0
 
 

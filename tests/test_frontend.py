@@ -213,6 +213,55 @@ def test_a_failing_sequence_stops_alone(eng, reference, monkeypatch):
     fe.close()
 
 
+def test_an_out_of_vocab_end_id_is_a_400_and_harms_no_other_request(eng, reference):
+    """Issue 28 probe 1: an end_id outside the vocabulary with min_tokens >= 1 used to index the logits in the
+    prefill step (IndexError) and fail every request admitted in that step. Released with good ones, it is
+    refused alone (invalid, naming end_id) and the good ones are served their reference texts."""
+    fe = Frontend(eng)
+    fe.start(run_engine=False)
+    sinks = {k: Sink() for k in ("good0", "bad", "good1", "neg")}
+    fe.handle(good(PROMPTS[0], exclude_input_in_output=True), sinks["good0"], "good0")
+    fe.handle(good(PROMPTS[1], end_id=10 ** 6), sinks["bad"], "bad")
+    fe.handle(good(PROMPTS[2], exclude_input_in_output=True), sinks["good1"], "good1")
+    fe.handle(good(PROMPTS[3], end_id=-1), sinks["neg"], "neg")
+    for _ in range(100):
+        if all(s.done.is_set() for s in sinks.values()):
+            break
+        eng.scheduler.step()
+    for s in sinks.values():
+        assert s.done.wait(WAIT)
+    for bad in ("bad", "neg"):
+        assert sinks[bad].kind == "invalid" and "end_id" in sinks[bad].error, sinks[bad].error
+    assert sinks["good0"].error is None and sinks["good0"].text == reference[PROMPTS[0]]
+    assert sinks["good1"].error is None and sinks["good1"].text == reference[PROMPTS[2]]
+    assert fe.live() == 0 and eng.metrics()["slots_free"] == 3
+    fe.close()
+
+
+def test_a_first_token_that_fails_stops_only_its_request(eng, reference):
+    """The step that samples the first tokens of a prefill chunk handles each request alone (as `_stage` does):
+    one whose first token cannot be chosen (here: a stop id past the logits, set behind the range check) fails
+    with its error; the others admitted in the same step are served."""
+    fe = Frontend(eng)
+    fe.start(run_engine=False)
+    sinks = {k: Sink() for k in ("good0", "bad", "good1")}
+    fe.handle(good(PROMPTS[0], exclude_input_in_output=True), sinks["good0"], "good0")
+    fe.handle(good(PROMPTS[1]), sinks["bad"], "bad")
+    fe.handle(good(PROMPTS[2], exclude_input_in_output=True), sinks["good1"], "good1")
+    eng.scheduler.by_id["bad"].stop_ids = frozenset({10 ** 6})
+    for _ in range(100):
+        if all(s.done.is_set() for s in sinks.values()):
+            break
+        eng.scheduler.step()
+    for s in sinks.values():
+        assert s.done.wait(WAIT)
+    assert sinks["bad"].kind == "internal" and "first token" in sinks["bad"].error, sinks["bad"].error
+    assert sinks["good0"].error is None and sinks["good0"].text == reference[PROMPTS[0]]
+    assert sinks["good1"].error is None and sinks["good1"].text == reference[PROMPTS[2]]
+    assert fe.live() == 0 and eng.metrics()["slots_free"] == 3
+    fe.close()
+
+
 def test_metrics_are_pushed_and_close_stops_threads(eng):
     pushed = []
     fe = Frontend(eng, metrics_sink=pushed.append, metrics_interval_s=0.0)

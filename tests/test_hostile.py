@@ -1,6 +1,6 @@
-"""Hostile requests against the real tritonserver: every case of the soak's catalogue (bench/soak.py HOSTILE),
-to both client-facing models, over `/generate` and `/generate_stream`, gets a 4xx with the reason (the message
-names what was wrong) or is served, and the server keeps serving.
+"""Hostile requests against the real tritonserver: every case of the hostile catalogue (loadtests/hostile.py
+HOSTILE), to both client-facing models, over `/generate` and `/generate_stream`, gets a 4xx with the reason (the
+message names what was wrong) or is served, and the server keeps serving.
 
 Where tritonserver answers 500 itself, before any model code runs (its JSON parser builds those errors with
 TRITONSERVER_ERROR_INTERNAL; docs/serving.md "HTTP 500s that tritonserver answers itself"), the case is a strict
@@ -10,26 +10,16 @@ fixes it shows up as XPASS. No case here is a 5xx of our own code (the soak coun
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import threading
+import time
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from specbuild.loadtests import hostile as soak
+
 pytestmark = pytest.mark.server
 
-
-def _soak():
-    spec = importlib.util.spec_from_file_location("specbuild_bench_soak", ROOT / "bench" / "soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-soak = _soak()
 MODELS = soak.MODELS
 ENDPOINTS = soak.ENDPOINTS
 
@@ -42,12 +32,12 @@ UPSTREAM_500 = {"temperature_string", "temperature_bool", "max_tokens_float", "m
                 "seed_overflow_uint64", "stop_words_int", "stream_string", "body_not_json", "body_empty",
                 "body_array"}
 SERVED = {"temperature_tiny", "temperature_huge", "top_p_tiny", "top_k_huge", "top_k_overflow_int32",
-          "seed_max_uint64", "stop_words_nested", "min_tokens_above_max", "end_id_out_of_vocab", "unknown_input"}
+          "seed_max_uint64", "stop_words_nested", "min_tokens_above_max", "unknown_input"}
 SERVED_BY_MODEL = {("num_draft_tokens_huge", "ensemble"), ("num_draft_tokens_negative", "ensemble")}
 # what a refusal's message must name, where it is not the case name's own prefix
 NAMED = {"duplicate_key": "max_tokens", "text_input_60k_tokens": "max_seq_len",
          "text_input_past_max_seq_len": "max_seq_len", "max_tokens_huge": "max_seq_len", "stop_word_long": "stop word",
-         "stop_words_many": "stop_words", "text_input_invalid_utf8": "UTF-8"}
+         "stop_words_many": "stop_words", "text_input_invalid_utf8": "UTF-8", "stop_words_2m": "stop_words"}
 FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "text_input", "seed", "stop_words", "num_draft_tokens",
           "proposer", "min_tokens", "end_id", "stream")
 
@@ -156,3 +146,56 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_one_bad_end_id_released_with_good_requests_harms_only_itself(running_server):
+    """Issue 28 probe 1, on the server: an end_id past the vocabulary with min_tokens, released at a barrier
+    with six good requests, three rounds. It used to fail the whole prefill step (15 of 18 good requests
+    failed); now it is a 400 naming end_id and every good request is served its reference text."""
+    base = running_server.http_url
+    url = f"{base}/v2/models/tensorrt_llm_bls/generate"
+    good = {"text_input": "The quick brown fox", "max_tokens": 8, "min_tokens": 8, "num_draft_tokens": 0}
+    reference = httpx.post(url, json=good, timeout=120).json()["text_output"]
+    for _ in range(3):
+        barrier = threading.Barrier(7)
+        out: dict = {}
+
+        def one(i):
+            body = {**good, "end_id": 10 ** 6, "min_tokens": 4} if i == 0 else good
+            barrier.wait(60)
+            r = httpx.post(url, json=body, timeout=120)
+            out[i] = (r.status_code, r.text)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(7)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert out[0][0] == 400 and "end_id" in out[0][1], out[0]
+        for i in range(1, 7):
+            assert out[i][0] == 200 and httpx.Response(200, content=out[i][1]).json()["text_output"] == reference, \
+                out[i]
+
+
+def test_a_huge_stop_words_is_refused_before_it_reaches_the_engine(running_server):
+    """Issue 28 probe 5: a 2,000,000-entry stop_words was JSON/base64-encoded by the forwarding model and decoded
+    by the engine before its count was refused. Now the forwarding model refuses it on its element count before
+    encoding anything: a 400 naming stop_words, and the engine never sees it (its refusal counter stays)."""
+    from specbuild.core.metrics import parse_prometheus
+
+    def refused():
+        m = parse_prometheus(httpx.get(running_server.metrics_url, timeout=10).text)
+        return m.get("specbuild_requests_refused_invalid_total", 0.0)
+
+    before = refused()
+    for model in MODELS:
+        body = soak.hostile_body("stop_words_2m", "The quick brown fox", 8, stream=False)
+        r = httpx.post(f"{running_server.http_url}/v2/models/{model}/generate", content=body, timeout=120)
+        assert r.status_code == 400 and "stop_words has 2000000 entries" in r.text, (model, r.status_code, r.text)
+    r = httpx.post(f"{running_server.http_url}/v2/models/tensorrt_llm_bls/generate", timeout=120,
+                   json={"text_input": "The quick brown fox", "max_tokens": 0})     # one that reaches it
+    assert r.status_code == 400
+    deadline = time.monotonic() + 30          # counted at the engine's next metrics push
+    while refused() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert refused() == before + 1

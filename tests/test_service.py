@@ -7,6 +7,7 @@ not for a publisher that stopped acknowledging."""
 from __future__ import annotations
 
 import math
+import os
 import socket
 import threading
 import time
@@ -41,7 +42,7 @@ class Client:
         self.replies: dict[str, list[dict]] = {}
         self.done: dict[str, threading.Event] = {}
         self.lost = threading.Event()
-        self.conn = EngineConnection(path, self._frame, lambda reason: self.lost.set(), role=role)
+        self.conn = EngineConnection(path, self._frame, lambda reason, generation: self.lost.set(), role=role)
 
     def _frame(self, msg):
         if msg["op"] == "reply":
@@ -178,7 +179,7 @@ def test_metrics_wait_for_the_ack_but_not_for_a_publisher_that_stopped(service):
 
 
 def test_no_engine_is_a_clear_unavailable(tmp_path):
-    conn = EngineConnection(str(tmp_path / "none.sock"), lambda m: None, lambda r: None, connect_timeout=0.2)
+    conn = EngineConnection(str(tmp_path / "none.sock"), lambda m: None, lambda r, g: None, connect_timeout=0.2)
     with pytest.raises(EngineUnavailable, match="not running"):
         conn.send({"op": "cancel", "key": "1"})
 
@@ -194,3 +195,178 @@ def test_a_malformed_request_is_refused_alone(service):
     c.submit("ok", text_input=PROMPTS[0], max_tokens=8, min_tokens=8)     # the same connection serves on
     assert c.text("ok") == PROMPTS[0] + reference(eng, PROMPTS[0], 8)
     assert not c.lost.is_set()
+
+
+# ---- limits before work, a reader that survives, the peer's uid, the socket's directory --------------
+def test_a_huge_stop_words_is_refused_before_it_is_decoded(service, monkeypatch):
+    """Issue 28 probe 5: a 2,000,000-entry stop_words used to be decoded in full (16 MiB frames) by the
+    connection's reader before parse_request refused it on count. Now the frame is skipped undecoded (too big)
+    or refused on its lengths (too many entries) before any tensor is decoded, each refusal for its request
+    alone, and a good request on the same connection is served."""
+    import specbuild.engines.embedded.service as service_mod
+
+    svc, eng = service
+    decoded = []
+    orig = service_mod.tensor_from_wire
+    monkeypatch.setattr(service_mod, "tensor_from_wire", lambda t: decoded.append(len(t["data"])) or orig(t))
+    c = Client(svc.path)
+    base = wire(text_input=PROMPTS[0], max_tokens=4)
+    huge = {"dtype": "bytes", "shape": [1, 2_000_000], "data": ["YQ=="] * 2_000_000}    # ~14 MB frame
+    many = {"dtype": "bytes", "shape": [1, 5000], "data": ["YQ=="] * 5000}               # a small frame
+    for key, sw in (("huge", huge), ("many", many)):
+        c.done[key] = threading.Event()
+        c.conn.send({"op": "submit", "key": key, "tensors": {**base, "stop_words": sw}})
+    c.submit("ok", text_input=PROMPTS[0], max_tokens=8, min_tokens=8)
+    for key in ("huge", "many"):
+        assert c.done[key].wait(WAIT)
+        r = c.replies[key][-1]
+        assert r["kind"] == "invalid" and r["final"], r
+    assert "above the limit" in c.replies["huge"][-1]["error"]
+    assert "stop_words has 5000 entries" in c.replies["many"][-1]["error"]
+    assert c.text("ok") == PROMPTS[0] + reference(eng, PROMPTS[0], 8)
+    assert max(decoded) == 1                     # only the good request's one-element tensors were decoded
+    assert svc.frontend.counters["requests_refused_invalid_total"] >= 2 and not c.lost.is_set()
+
+
+def test_a_refusal_never_waits_on_the_metrics_round_trip(tiny_llama):
+    """A refusal used to publish the metrics synchronously (waiting for the metrics model's ack, holding the
+    lock every final reply needs). With a metrics sink that never returns, refusals are still answered."""
+    from specbuild.engines.embedded.frontend import Frontend
+
+    eng = Engine.from_checkpoints(tiny_llama, max_batch_size=2, max_seq_len=64)
+    stuck = threading.Event()
+    fe = Frontend(eng, metrics_sink=lambda m: stuck.wait())
+    fe.start()
+    got = []
+    try:
+        def refuse():
+            for i in range(5):
+                fe.handle({"text_input": np.array([[b"hi"]], dtype=np.object_),
+                           "max_tokens": np.array([[0]])}.get, got.append, key=f"r{i}")
+
+        t = threading.Thread(target=refuse, daemon=True)
+        t.start()
+        t.join(WAIT)
+        assert not t.is_alive(), "a refusal waited on the metrics sink"
+        assert len(got) == 5 and all(r.kind == "invalid" and "max_tokens=0" in r.error for r in got)
+        assert fe.counters["requests_refused_invalid_total"] == 5
+    finally:
+        stuck.set()
+        fe.close(timeout=5)
+
+
+def test_a_frame_that_raises_fails_its_request_alone_and_the_reader_lives_on(service, monkeypatch):
+    """Issue 28 probe 7: the reader caught three exception types; anything else killed it and left its
+    connection's requests (and their slots) held. Now that request alone fails and the connection serves on."""
+    svc, eng = service
+    orig = svc.frontend.handle
+
+    def handle(get, send, key=None):
+        if key.endswith("/boom"):
+            raise KeyError("a bug in the engine")
+        return orig(get, send, key=key)
+
+    monkeypatch.setattr(svc.frontend, "handle", handle)
+    c = Client(svc.path)
+    c.submit("boom", text_input=PROMPTS[0], max_tokens=4)
+    assert c.done["boom"].wait(WAIT)
+    r = c.replies["boom"][-1]
+    assert r["kind"] == "internal" and "a bug in the engine" in r["error"]
+    c.submit("ok", text_input=PROMPTS[0], max_tokens=8, min_tokens=8)
+    assert c.text("ok") == PROMPTS[0] + reference(eng, PROMPTS[0], 8)
+    assert not c.lost.is_set()
+
+
+def test_a_lost_connection_names_its_generation(service):
+    """`on_lost` says which connection broke, and `sent_on` which connection a request went on: the model
+    fails only the requests of the lost one (a request already sent on the next connection is not failed:
+    issue 28's spurious 503s)."""
+    svc, eng = service
+    lost, gens = [], []
+    conn = EngineConnection(str(svc.path), lambda m: None, lambda reason, g: lost.append(g))
+    conn.send({"op": "cancel", "key": "x"}, sent_on=gens.append)
+    with svc._lock:
+        peers = list(svc._conns.values())
+    for p in peers:
+        p.close("test")
+    wait_until(lambda: lost, "the connection to be reported lost")
+    conn.send({"op": "cancel", "key": "y"}, sent_on=gens.append)
+    assert lost == [1] and gens == [1, 2]
+    conn.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a peer as another uid")
+def test_a_peer_of_another_uid_is_refused_at_both_ends(tmp_path):
+    """SO_PEERCRED: the engine refuses a connection from another user's process, and a model refuses an
+    engine socket served by another user (which could read every prompt and write every answer)."""
+    from specbuild.engines.embedded.wire_ipc import PeerRefused, check_peer
+
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="peercred-", dir="/tmp")     # reachable by the other user (tmp_path is not)
+    os.chmod(d, 0o777)
+    path = os.path.join(d, "s.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    os.chmod(path, 0o777)
+    srv.listen(1)
+    srv.settimeout(WAIT)
+    pid = os.fork()
+    if pid == 0:                                  # the other user's process
+        try:
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            try:
+                check_peer(s)                     # its view: the listener is root's, not nobody's
+                os._exit(1)
+            except PeerRefused:
+                os._exit(0)
+        except BaseException:
+            os._exit(2)
+    try:
+        conn, _ = srv.accept()
+        with pytest.raises(PeerRefused, match="uid 65534"):
+            check_peer(conn)
+        conn.close()
+    finally:
+        _, status = os.waitpid(pid, 0)
+        srv.close()
+        shutil.rmtree(d, ignore_errors=True)
+    assert os.WEXITSTATUS(status) == 0            # the other end refused us too
+
+
+def test_the_socket_directory_is_checked_without_following_links(tmp_path, monkeypatch):
+    from specbuild.engines.embedded import service_client
+
+    monkeypatch.setattr(service_client.tempfile, "gettempdir", lambda: str(tmp_path))
+    base = tmp_path / f"specbuild-{os.getuid()}"
+    elsewhere = tmp_path / "attacker"
+    elsewhere.mkdir(mode=0o700)
+    base.symlink_to(elsewhere)                    # a planted link to a directory of the right mode
+    with pytest.raises(PermissionError, match="is a symlink"):
+        service_client.socket_path(tmp_path / "repo", 123)
+    base.unlink()
+    base.mkdir(mode=0o700)
+    if os.getuid() == 0:                          # pre-created by another user
+        os.chown(base, 12345, 12345)
+        with pytest.raises(PermissionError, match="owned by uid 12345"):
+            service_client.socket_path(tmp_path / "repo", 123)
+        os.chown(base, 0, 0)
+    os.chmod(base, 0o755)
+    with pytest.raises(PermissionError, match="mode 0755"):
+        service_client.socket_path(tmp_path / "repo", 123)
+    os.chmod(base, 0o700)
+    path = service_client.socket_path(tmp_path / "repo", 123)
+    assert path.startswith(str(base)) and path.endswith("-123.sock")
+
+
+def test_a_socket_path_too_long_for_af_unix_is_a_clear_error(tmp_path, monkeypatch):
+    from specbuild.engines.embedded import service_client
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(service_client.tempfile, "gettempdir", lambda: str(deep))
+    with pytest.raises(ValueError, match="above the 107 .*set TMPDIR to a shorter directory"):
+        service_client.socket_path(tmp_path / "repo", 123)

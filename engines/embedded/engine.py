@@ -213,6 +213,10 @@ class Engine:
             raise EngineLimitError("this engine has no draft model; use proposer='ngram', num_draft_tokens=0, "
                                    "or build the engine with a draft.")
         if params.stop_token_ids is not None:
+            bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+            if bad:       # a logits index later (min_tokens suppresses them): out of range it fails the step
+                raise EngineLimitError(f"end_id / stop token ids must be in [0, {vocab}) (the vocabulary); got "
+                                       f"{bad[:5]}. Leave end_id out to stop at the tokenizer's EOS.")
             stop_ids = set(params.stop_token_ids)
             if params.ignore_eos:
                 stop_ids.discard(self.eos_token_id)

@@ -242,9 +242,17 @@ class Frontend:
                 log.exception("request %s could not be submitted", key)
             with self._lock:
                 self.counters[_COUNTER_OF_KIND.get(kind, "requests_failed_total")] += 1
-            self._dirty = True
-            self._push_metrics()                # counted before the refusal reaches the client
+            # counted at the sender's next push (within metrics_interval_s): a refusal never waits on the
+            # metrics round trip, which holds the lock every final reply needs (a flood of cheap invalid
+            # requests would slow every stream)
+            self._dirty_tick()
             send(Reply(final=True, error=str(e) if kind != "internal" else f"{type(e).__name__}: {e}", kind=kind))
+
+    def count_refusal(self, kind: str) -> None:
+        """Count a request refused before `handle` (the service's size caps); pushed at the next metrics push."""
+        with self._lock:
+            self.counters[_COUNTER_OF_KIND.get(kind, "requests_failed_total")] += 1
+        self._dirty_tick()
 
     def submit(self, request: ParsedRequest, send: Callable[[Reply], None], key: str | None = None) -> str:
         key = key or f"fe-{next(self._ids)}"

@@ -253,6 +253,9 @@ class Scheduler:
                     s.stats.add_time("prefill", dt)
                 for i, tok in zip(done, firsts):
                     s = chunk[i]
+                    if tok is None:                         # failed alone (_first_tokens stopped it)
+                        self.admission.discard(s)
+                        continue
                     if s.finished:                          # aborted while its prompt was fed
                         continue
                     self.admission.discard(s)
@@ -262,19 +265,26 @@ class Scheduler:
         if catch_up:
             self._catch_up_drafts()
 
-    def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | None]:
         """The first generated token of each sequence from its prompt's last-position logits [B, V], exactly as
-        a plain decode step would choose it."""
-        out = []
+        a plain decode step would choose it; None for a sequence whose choice raised (it alone is stopped, with
+        reason "error", as `_stage` does: one request's error is that request's alone)."""
+        out: list[int | None] = []
         for i, s in enumerate(seqs):
-            lg = logits[i:i + 1]
-            if s.params.min_tokens and s.stop_ids:
-                lg = suppress_stop_ids(lg, 0, s.params.min_tokens, s.stop_ids)
-            if s.params.greedy:
-                out.append(int(lg.argmax(-1)[0]))
-            else:
-                out.append(int(sample(processed_probs(lg, s.params), s.generator)[0]))
+            try:
+                out.append(self._first_token(s, logits[i:i + 1]))
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                self._fail(s, "first token", e)
+                out.append(None)
         return out
+
+    @staticmethod
+    def _first_token(s: Sequence, lg: torch.Tensor) -> int:
+        if s.params.min_tokens and s.stop_ids:
+            lg = suppress_stop_ids(lg, 0, s.params.min_tokens, s.stop_ids)
+        if s.params.greedy:
+            return int(lg.argmax(-1)[0])
+        return int(sample(processed_probs(lg, s.params), s.generator)[0])
 
     def _catch_up_drafts(self) -> None:
         """Prefill the draft cache (positions 0..n-2) of running draft-proposer sequences whose draft has not

@@ -38,7 +38,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbuild.engines.embedded.wire_ipc import ProtocolError, encode, recv, reply_to_wire, tensor_from_wire
+from specbuild.engines.embedded.wire_ipc import (MAX_SUBMIT_FRAME, FrameTooLarge, PeerRefused, ProtocolError,
+                                                 TooLarge, check_peer, check_sizes, encode, recv, reply_to_wire,
+                                                 tensor_from_wire, wire_sizes)
 
 log = logging.getLogger("specbuild.engine")
 
@@ -94,16 +96,18 @@ class _Connection:
                 return
             self.closed = True
             self._out.clear()
+            try:
+                # wakes a writer blocked in sendall and the reader, and tells the peer; before the writer is
+                # woken: it closes the socket, and a shutdown after that is EBADF (the peer never heard of it)
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._cv.notify_all()
             keys = list(self.keys)
             self.keys.clear()
         if reason:
             log.warning("connection %d (%s) closed: %s; cancelling its %d live request(s)",
                         self.cid, self.role, reason, len(keys))
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)   # wakes a writer blocked in sendall and the reader
-        except OSError:
-            pass
         for key in keys:
             self.service.frontend.cancel(key)
         self.service.forget(self)
@@ -130,11 +134,35 @@ class _Connection:
     def _read_loop(self) -> None:
         try:
             while not self.closed:
-                self.service.dispatch(self, recv(self.sock))
+                try:
+                    msg = recv(self.sock, limit=MAX_SUBMIT_FRAME)
+                except FrameTooLarge as e:      # skipped undecoded; refused alone when it names its request
+                    if e.key is None:
+                        raise ProtocolError(str(e)) from None
+                    self.service.refuse(self, e.key, str(e))
+                    continue
+                self._dispatch(msg)
         except ProtocolError as e:              # before OSError: it is a ConnectionError
             self.close(f"protocol error: {e}")
         except (EOFError, OSError) as e:
             self.close("" if isinstance(e, EOFError) or self.closed else f"read failed ({e})")
+        except Exception as e:  # noqa: BLE001 - never leave the connection's requests held by a dead reader
+            log.exception("connection %d: the reader failed", self.cid)
+            self.close(f"reader failed: {type(e).__name__}: {e}")
+
+    def _dispatch(self, msg: dict) -> None:
+        """One frame; whatever it raises fails that frame's request alone (a reader that died would leave this
+        connection's requests and their slots held)."""
+        try:
+            self.service.dispatch(self, msg)
+        except ProtocolError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            key = msg.get("key") if msg.get("op") == "submit" else None
+            log.exception("connection %d: %s frame failed", self.cid, msg.get("op"))
+            if key is not None:
+                self.service.refuse(self, str(key), f"the engine could not take this request: "
+                                                    f"{type(e).__name__}: {e}", kind="internal")
 
 
 class EngineService:
@@ -179,6 +207,12 @@ class EngineService:
                 if stop.is_set():
                     break
                 raise
+            try:
+                check_peer(sock)               # only this user's processes (the models) may submit prompts
+            except (PeerRefused, OSError) as e:
+                log.warning("refused a connection: %s", e)
+                sock.close()
+                continue
             sock.setblocking(True)
             if self.options.send_buffer_bytes:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.options.send_buffer_bytes)
@@ -230,13 +264,21 @@ class EngineService:
         else:
             raise ProtocolError(f"unknown op {op!r}")
 
+    def refuse(self, conn: _Connection, key: str, error: str, kind: str = "invalid") -> None:
+        """The final reply of one request, refused before the frontend saw it (counted like its refusals)."""
+        from specbuild.engines.embedded.frontend import Reply
+
+        self.frontend.count_refusal(kind)
+        conn.push(reply_to_wire(key, Reply(final=True, error=error, kind=kind)))
+
     def _submit(self, conn: _Connection, key: str, wire_tensors: dict) -> None:
         try:
+            if not isinstance(wire_tensors, dict):
+                raise ProtocolError("a malformed tensor: the tensors are not a mapping")
+            check_sizes({name: wire_sizes(t) for name, t in wire_tensors.items()})   # before decoding any
             tensors = {name: tensor_from_wire(t) for name, t in wire_tensors.items()}
-        except ProtocolError as e:              # this request's, not the connection's: refuse it alone
-            from specbuild.engines.embedded.frontend import Reply
-
-            conn.push(reply_to_wire(key, Reply(final=True, error=str(e), kind="invalid")))
+        except (ProtocolError, TooLarge) as e:  # this request's, not the connection's: refuse it alone
+            self.refuse(conn, key, str(e))
             return
         engine_key = f"{conn.cid}/{key}"
 

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from specbuild.engines.embedded.wire_ipc import encode, recv
+from specbuild.engines.embedded.wire_ipc import PeerRefused, check_peer, encode, recv
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +35,45 @@ class EngineUnavailable(ConnectionError):
     """The engine process cannot be reached (not started, restarting, or gone); the request gets a 503."""
 
 
+SUN_PATH_MAX = 107     # bytes of an AF_UNIX socket path (sun_path is 108 bytes with its NUL, Linux unix(7))
+
+
+def socket_dir() -> Path:
+    """This user's private directory for engine sockets: `<tmp>/specbuild-<uid>`, made with mode 0700 and checked
+    WITHOUT following a link (another local user could plant a symlink or a directory of their own there to
+    point the models at a fake engine): a real directory, owned by this user, mode 0700; PermissionError if not."""
+    uid = os.getuid()
+    base = Path(tempfile.gettempdir()) / f"specbuild-{uid}"
+    try:
+        os.mkdir(base, 0o700)          # never follows a link: an existing name (a link too) is FileExistsError
+    except FileExistsError:
+        pass
+    fix = (f"remove {base} (rm -r, it only holds engine sockets) or point TMPDIR elsewhere; it must be this "
+           f"user's (uid {uid}) own directory with mode 0700.")
+    try:
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:               # ELOOP: a symlink; ENOTDIR: not a directory
+        kind = "a symlink" if os.path.islink(base) else "not a directory"
+        raise PermissionError(f"{base} is {kind} ({e.strerror}); {fix}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise PermissionError(f"{base} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; {fix}")
+    return base
+
+
 def socket_path(model_repository: str | Path, server_pid: int) -> str:
-    """A private path for one tritonserver (its pid) serving one model repository; <= 108 bytes (AF_UNIX)."""
-    base = Path(tempfile.gettempdir()) / f"specbuild-{os.getuid()}"
-    base.mkdir(mode=0o700, exist_ok=True)
-    st = base.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{base} must be a directory of this user's with mode 0700 (it holds the engine's "
-                              "socket); remove it or fix its owner and mode.")
+    """A private path for one tritonserver (its pid) serving one model repository, in `socket_dir()`; ValueError
+    if it is longer than an AF_UNIX path may be."""
     digest = hashlib.sha256(os.path.realpath(model_repository).encode()).hexdigest()[:12]
-    return str(base / f"engine-{digest}-{server_pid}.sock")
+    path = str(socket_dir() / f"engine-{digest}-{server_pid}.sock")
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        raise ValueError(f"the engine socket path {path} is {len(os.fsencode(path))} bytes, above the "
+                         f"{SUN_PATH_MAX} an AF_UNIX socket path may have; set TMPDIR to a shorter directory "
+                         "(e.g. TMPDIR=/tmp).")
+    return path
 
 
 def python_executable() -> str:
@@ -64,8 +94,11 @@ class EngineConnection:
     """One connection to the engine process, shared by the threads of one Triton model.
 
     `send` connects on first use (waiting up to `connect_timeout` s for the socket) and raises EngineUnavailable
-    when it cannot; a reader thread hands every frame to `on_frame`; when the connection breaks, `on_lost(reason)`
-    is called once and the next `send` connects again."""
+    when it cannot; a reader thread hands every frame to `on_frame`; when the connection breaks,
+    `on_lost(reason, generation)` is called once (from a thread of its own) and the next `send` connects again.
+    Each connection made has a generation (1, 2, ...): `send(msg, sent_on=f)` calls `f(generation)` under the
+    connection's lock before the bytes go, so an owner can tell the requests of a lost connection from those
+    already sent on the next one."""
 
     def __init__(self, path: str, on_frame: Callable[[dict], None], on_lost: Callable[[str], None], *,
                  role: str = "requests", connect_timeout: float = 5.0, send_timeout: float = 30.0):
@@ -76,6 +109,7 @@ class EngineConnection:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()          # connect / send
         self._closed = False
+        self.generation = 0                    # of the current connection (incremented at each connect)
 
     def open(self) -> None:
         """Connect now (instead of at the first send); EngineUnavailable if the engine does not answer."""
@@ -83,10 +117,12 @@ class EngineConnection:
             if self._sock is None:
                 self._connect()
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict, sent_on: Callable[[int], None] | None = None) -> None:
         frame = encode(msg)
         with self._lock:
             sock = self._sock or self._connect()
+            if sent_on is not None:
+                sent_on(self.generation)
             try:
                 sock.sendall(frame)
             except OSError as e:
@@ -108,6 +144,8 @@ class EngineConnection:
             try:
                 sock, ready = _hello(self.path, self.role, timeout=max(1.0, self.connect_timeout))
                 break
+            except PeerRefused as e:
+                raise EngineUnavailable(f"the engine socket {self.path} is served by another user: {e}") from None
             except (OSError, EOFError) as e:
                 if time.monotonic() >= deadline:
                     raise EngineUnavailable(f"the engine process is not running ({self.path}: {e}); it may be "
@@ -116,11 +154,12 @@ class EngineConnection:
         sock.settimeout(self.send_timeout)     # sends: a stuck engine fails the sender instead of hanging it
         self.engine_id = ready.get("engine")
         self._sock = sock
-        threading.Thread(target=self._read_loop, args=(sock,), name=f"engine-{self.role}-reader",
+        self.generation += 1
+        threading.Thread(target=self._read_loop, args=(sock, self.generation), name=f"engine-{self.role}-reader",
                          daemon=True).start()
         return sock
 
-    def _read_loop(self, sock: socket.socket) -> None:
+    def _read_loop(self, sock: socket.socket, generation: int) -> None:
         reason = "the engine closed the connection"
         try:
             while True:
@@ -140,18 +179,24 @@ class EngineConnection:
         """(lock held) Forget `sock` if it is still the current one, and tell the owner once."""
         if self._sock is not sock:
             return
+        generation = self.generation
         self._sock = None
         try:
             sock.close()
         except OSError:
             pass
         if not self._closed:
-            threading.Thread(target=self.on_lost, args=(reason,), daemon=True).start()
+            threading.Thread(target=self.on_lost, args=(reason, generation), daemon=True).start()
 
 
 class EngineProcess:
-    """Start the engine process, wait until it serves, and start it again when it dies (a non-zero exit or a
-    signal; exit 0 is a requested stop) until `stop`."""
+    """Start the engine process, wait until it serves, and start it again whenever it exits without the server
+    having asked (`stop`): a crash, a kill, and also a SIGTERM from anyone else (the engine then exits 0, which
+    is no reason to leave the server without an engine: every request would fail while /v2/health/ready says 200).
+
+    The engine leads a session of its own, so signals to the server's process group (`specbuild stop`'s
+    SIGTERM, a terminal's Ctrl-C) do not reach it: it stops when the `tensorrt_llm` model unloads (`stop`) or
+    when that model's process is gone (the engine's PR_SET_PDEATHSIG and parent poll, `service.py`)."""
 
     def __init__(self, argv: list[str], path: str, *, start_timeout: float,
                  on_restart: Callable[[], None] | None = None):
@@ -159,23 +204,36 @@ class EngineProcess:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = threading.Event()
+        self._lock = threading.Lock()          # proc: started / stopped one at a time
+
+    @property
+    def serving(self) -> bool:
+        """The engine process is running and its socket answers now."""
+        proc = self.proc
+        return proc is not None and proc.poll() is None and not self._stopping.is_set() and _answers(self.path)
 
     def start(self) -> None:
         """Start the process and return once its socket answers (within `start_timeout` s); raise RuntimeError
-        if it exits first or does not answer in time."""
+        if it exits first, does not answer in time, or the model is stopping."""
         log.info("starting the engine process: %s", " ".join(self.argv[:6]))
-        self.proc = subprocess.Popen(self.argv, stdout=sys.stderr, stderr=sys.stderr)
+        with self._lock:
+            if self._stopping.is_set():
+                raise RuntimeError("the model is stopping; the engine is not started again.")
+            self.proc = proc = subprocess.Popen(self.argv, stdout=sys.stderr, stderr=sys.stderr,
+                                                start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while True:
-            code = self.proc.poll()
+            code = proc.poll()
             if code is not None:
                 raise RuntimeError(f"the engine process exited with code {code} while loading; its log is in "
                                    "the server log (lines 'specbuild-engine ...').")
+            if self._stopping.is_set():
+                raise RuntimeError("the model is stopping; the engine is not started again.")
             if _answers(self.path):
                 return
             if time.monotonic() > deadline:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
                 raise RuntimeError(f"the engine process did not serve within {self.start_timeout:.0f} s.")
             time.sleep(0.1)
 
@@ -185,21 +243,20 @@ class EngineProcess:
     def _supervise(self) -> None:
         backoff = 1.0
         while not self._stopping.is_set():
-            code = self.proc.wait()
+            proc = self.proc
+            code = proc.wait()
             if self._stopping.is_set():
                 return
-            if code == 0:       # it was asked to stop (SIGTERM: the server is shutting down), it did not die
-                log.warning("the engine process (pid %d) stopped; not starting it again", self.proc.pid)
-                return
             self.restarts += 1
-            log.error("the engine process (pid %d) exited with code %s; starting it again in %.0f s (restart %d)",
-                      self.proc.pid, code, backoff, self.restarts)
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            log.error("the engine process (pid %d) exited (%s) though the server did not stop it; starting it "
+                      "again in %.0f s (restart %d)", proc.pid, how, backoff, self.restarts)
             if self._stopping.wait(backoff):
                 return
             started = time.monotonic()
             try:
                 self.start()
-            except RuntimeError as e:
+            except (RuntimeError, PeerRefused) as e:
                 log.error("restarting the engine failed: %s", e)
                 backoff = min(backoff * 2, 30.0)
                 continue
@@ -208,15 +265,17 @@ class EngineProcess:
                 self.on_restart()
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping.set()
-        if self.proc is None or self.proc.poll() is not None:
+        with self._lock:
+            self._stopping.set()
+            proc = self.proc
+        if proc is None or proc.poll() is not None:
             return
-        self.proc.terminate()
+        proc.terminate()
         try:
-            self.proc.wait(timeout)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+            proc.kill()
+            proc.wait(5)
 
 
 def _hello(path: str, role: str, timeout: float) -> tuple[socket.socket, dict]:
@@ -226,6 +285,7 @@ def _hello(path: str, role: str, timeout: float) -> tuple[socket.socket, dict]:
     try:
         sock.settimeout(timeout)
         sock.connect(path)
+        check_peer(sock)                   # the engine is ours (same uid), before a prompt goes to it
         sock.sendall(encode({"op": "hello", "role": role}))
         ready = recv(sock)
         if ready.get("op") != "ready":
@@ -239,6 +299,8 @@ def _hello(path: str, role: str, timeout: float) -> tuple[socket.socket, dict]:
 def _answers(path: str) -> bool:
     try:
         sock, _ = _hello(path, "probe", timeout=2.0)
+    except PeerRefused:
+        raise
     except (OSError, EOFError):
         return False
     sock.close()

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import re
 import socket
 import struct
 from typing import Any
@@ -24,11 +26,75 @@ from typing import Any
 import numpy as np
 
 MAX_FRAME = 16 * 1024 * 1024   # bytes; a bigger frame is a protocol error (a request is capped far below it)
+# Coarse caps on one request's input tensors, checked before any work (the forwarding model before it encodes,
+# the engine before it decodes); the precise limits (max_prompt_bytes, max_stop_words, ...) stay in one place,
+# `frontend.parse_request`, and are far below these.
+MAX_TENSOR_ELEMENTS = 1024          # elements of one input tensor (stop_words: max_stop_words, 16 by default)
+MAX_REQUEST_BYTES = 1024 * 1024     # bytes of one request's inputs (text_input: max_prompt_bytes, 64 KiB)
+MAX_SUBMIT_FRAME = 2 * MAX_REQUEST_BYTES    # a submit frame: MAX_REQUEST_BYTES base64-encoded, with its JSON
 _LEN = struct.Struct(">I")
 
 
 class ProtocolError(ConnectionError):
     """A malformed or oversized frame: the connection is closed."""
+
+
+class TooLarge(ValueError):
+    """A request whose inputs are above the coarse caps: refused (invalid) before it is encoded or decoded."""
+
+
+def check_sizes(counts: dict[str, tuple[int, int]]) -> None:
+    """`counts`: input name -> (elements, bytes); TooLarge naming the first input above a cap."""
+    total = 0
+    for name, (n, nbytes) in counts.items():
+        if n > MAX_TENSOR_ELEMENTS:
+            raise TooLarge(f"{name} has {n} entries, above the limit of {MAX_TENSOR_ELEMENTS} for one input "
+                           "(stop_words: max_stop_words); send fewer.")
+        total += nbytes
+        if total > MAX_REQUEST_BYTES:
+            raise TooLarge(f"the request's inputs are above {MAX_REQUEST_BYTES} bytes ({name} reaches "
+                           f"{total}); text_input is limited to max_prompt_bytes, stop words to "
+                           "max_stop_word_bytes each.")
+
+
+def array_sizes(arr: np.ndarray) -> tuple[int, int]:
+    """(elements, bytes) of an input tensor as Triton handed it over; bytes summed only under the element cap."""
+    n = int(arr.size)
+    if n > MAX_TENSOR_ELEMENTS:
+        return n, 0
+    if arr.dtype == np.object_ or arr.dtype.kind in "SU":
+        return n, sum(len(v) if isinstance(v, (bytes, str, np.bytes_, np.str_)) else 8 for v in arr.reshape(-1))
+    return n, int(arr.nbytes)
+
+
+def wire_sizes(t: dict) -> tuple[int, int]:
+    """(elements, bytes) of a wire tensor, read from its lengths: nothing is decoded."""
+    data = t.get("data") if isinstance(t, dict) else None
+    if not isinstance(data, list):
+        return 0, 0
+    if len(data) > MAX_TENSOR_ELEMENTS:
+        return len(data), 0
+    if t.get("dtype") == "bytes":
+        return len(data), sum(len(v) * 3 // 4 if isinstance(v, str) else 8 for v in data)
+    return len(data), 8 * len(data)
+
+
+class PeerRefused(ConnectionError):
+    """The other end of the socket runs as another user: not our engine, or not our server."""
+
+
+_PEERCRED = struct.Struct("3i")     # struct ucred: pid, uid, gid (Linux)
+
+
+def check_peer(sock: socket.socket) -> int:
+    """The peer's pid, after checking (SO_PEERCRED, the kernel's record of who connected / who listens) that it
+    runs as this process's user; PeerRefused if not. Both ends call it: a model must not talk to another user's
+    fake engine, and the engine must not serve another user's process."""
+    pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    if uid != os.getuid():
+        raise PeerRefused(f"the peer on the engine socket (pid {pid}) runs as uid {uid}, not as this user "
+                          f"(uid {os.getuid()}); refusing it.")
+    return pid
 
 
 def _default(o: Any):
@@ -65,10 +131,32 @@ def _recv_exact(sock: socket.socket, n: int, *, started: bool) -> bytes:
     return b"".join(chunks)
 
 
-def recv(sock: socket.socket) -> dict:
+class FrameTooLarge(TooLarge):
+    """A frame above the reader's limit, skipped without decoding; `key`: the submit it carried, if its first
+    bytes name one (the forwarding models write "op" and "key" first)."""
+
+    def __init__(self, message: str, key: str | None):
+        super().__init__(message)
+        self.key = key
+
+
+_SUBMIT_HEAD = re.compile(rb'^\{"op":"submit","key":"([0-9A-Za-z_.:/-]{1,64})"')
+
+
+def recv(sock: socket.socket, limit: int = MAX_FRAME) -> dict:
+    """One frame. Above `limit` (<= MAX_FRAME) the frame's bytes are read and dropped undecoded, and
+    FrameTooLarge says which submit it was (the stream stays in step; above MAX_FRAME: ProtocolError)."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, started=False))
     if n > MAX_FRAME:
         raise ProtocolError(f"frame of {n} bytes is above the limit of {MAX_FRAME}")
+    if n > limit:
+        head = _recv_exact(sock, min(n, 128), started=True)
+        left = n - len(head)
+        while left:
+            left -= len(_recv_exact(sock, min(left, 1 << 20), started=True))
+        m = _SUBMIT_HEAD.match(head)
+        raise FrameTooLarge(f"the request is {n} bytes on the wire, above the limit of {limit}; its inputs are "
+                            f"above {MAX_REQUEST_BYTES} bytes.", m.group(1).decode() if m else None)
     try:
         msg = json.loads(_recv_exact(sock, n, started=True))
     except ValueError as e:

@@ -31,7 +31,7 @@ import triton_python_backend_utils as pb_utils
 
 from specbuild.engines.embedded.service_client import (EngineConnection, EngineProcess, EngineUnavailable,
                                                        argv_for, socket_path)
-from specbuild.engines.embedded.wire_ipc import ProtocolError, tensor_to_wire
+from specbuild.engines.embedded.wire_ipc import ProtocolError, TooLarge, array_sizes, check_sizes, tensor_to_wire
 from specbuild.model_repository.embedded.request_params import perf_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -72,10 +72,11 @@ class _Request:
     sender at once let a piece overtake the final flag inside tritonserver 2.51, which then uses the freed
     response factory: every send goes through `send` (its own lock; nothing after the final flag)."""
 
-    __slots__ = ("sender", "lock", "closed")
+    __slots__ = ("sender", "lock", "closed", "generation")
 
     def __init__(self, sender):
         self.sender, self.lock, self.closed = sender, threading.Lock(), False
+        self.generation: int | None = None     # the engine connection it was sent on (None: not sent yet)
 
     def send(self, fn, final: bool) -> bool:
         """Run `fn(sender)` unless the final response was sent already; False if it was."""
@@ -109,14 +110,20 @@ class ForwardingModel:
             req = _Request(request.get_response_sender())
             key = str(next(self.keys))
             try:
-                tensors = {}
+                arrays = {}
                 for name in self.inputs:
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is not None:
-                        tensors[name] = tensor_to_wire(t.as_numpy())
+                        arrays[name] = t.as_numpy()
+                # element counts and bytes before any encoding: a 2,000,000-entry stop_words costs nothing more
+                check_sizes({name: array_sizes(a) for name, a in arrays.items()})
+                tensors = {name: tensor_to_wire(a) for name, a in arrays.items()}
                 with self.lock:
                     self.live[key] = req
-                self.conn.send({"op": "submit", "key": key, "tensors": tensors})
+                self.conn.send({"op": "submit", "key": key, "tensors": tensors},
+                               sent_on=lambda g, req=req: setattr(req, "generation", g))
+            except TooLarge as e:
+                self._close(key, req, error_response(str(e), "invalid"))
             except ProtocolError as e:
                 self._close(key, req, error_response(f"the request is too large to forward: {e}", "invalid"))
             except EngineUnavailable as e:
@@ -150,9 +157,14 @@ class ForwardingModel:
             if not final:
                 self._abandon([key])
 
-    def _on_lost(self, reason: str) -> None:
+    def _on_lost(self, reason: str, generation: int | None = None) -> None:
+        """The engine connection `generation` broke (None: every request, the model is unloading): fail the
+        requests sent on it. Those already sent on the next connection (execute runs on while this thread
+        starts) are not its: failing them was a spurious 503, and their replies were then dropped."""
         with self.lock:
-            lost, self.live = self.live, {}
+            lost = {k: r for k, r in self.live.items() if generation is None or r.generation == generation}
+            for k in lost:
+                del self.live[k]
         if lost:
             pb_utils.Logger.log_error(f"{self.name}: lost the engine process ({reason}); failing {len(lost)} "
                                       "request(s) in flight")
@@ -234,6 +246,9 @@ METRICS = (  # (engine metrics key, metric name, kind, help)
      "Plain target step measured while serving at the latest step's concurrency (median, ms; 0 = none yet)"),
     ("engine_restarts", "specbuild_engine_restarts_total", COUNTER,
      "Times the engine process died and was started again"),
+    ("engine_up", "specbuild_engine_up", GAUGE,
+     "1 while the engine process answers, 0 while it is gone or restarting (tritonserver 2.51 cannot mark a "
+     "Python-backend model unready: alert or route on this)"),
 )
 PER_POSITION = ("vllm:spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted at each draft position (label position, 0-based)")
@@ -290,6 +305,7 @@ class EngineModel(ForwardingModel):
             drafted = m.get("draft_tokens_total", 0)
             m["acceptance_rate"] = m.get("accepted_tokens_total", 0) / drafted if drafted else 0.0
             m["engine_restarts"] = self.process.restarts
+            m["engine_up"] = 1
             for key, name, kind, _ in METRICS:
                 value = m.get(key, 0)
                 if kind == COUNTER:
@@ -306,7 +322,10 @@ class EngineModel(ForwardingModel):
             metric.increment(value - self.seen.get(key, 0))
             self.seen[key] = value
 
-    def _on_metrics_lost(self, reason: str) -> None:
+    def _on_metrics_lost(self, reason: str, generation: int = 0) -> None:
+        with self.metrics_lock:
+            if self.metrics:
+                self.metrics["specbuild_engine_up"].set(0.0)
         threading.Thread(target=self._reconnect_metrics, name="metrics-reconnect", daemon=True).start()
 
     def _reconnect_metrics(self) -> None:
@@ -316,6 +335,12 @@ class EngineModel(ForwardingModel):
                 return
             except EngineUnavailable:
                 continue
+
+    def is_ready(self) -> bool:
+        """Model readiness: the engine process answers. Asked by tritonserver releases whose Python backend
+        calls a model's own readiness check (python_backend#430, server#8661, 2026); 2.51 never calls it and
+        reports the model ready while its stub lives: `specbuild_engine_up` says the truth there."""
+        return self.process.serving
 
     def _on_engine_restart(self) -> None:
         pb_utils.Logger.log_warn(f"specbuild: the engine process was started again (pid {self.process.proc.pid}, "
