@@ -18,7 +18,6 @@ from specbuild.loadtests import export, stalls
 from specbuild.loadtests.runner import CellResult
 
 PERCENTILES = (50, 90, 95, 99)
-LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
 
 
 def distribution(values: list[float]) -> dict[str, Any] | None:
