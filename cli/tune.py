@@ -33,7 +33,8 @@ from specbuild.cli.options import workdir_option
 @click.option("--users", type=int, default=None, help="Concurrent users (default: each profile's own).")
 @click.option("--max-tokens", type=int, default=None, help="Output tokens per request (default: the profile's).")
 @click.option("--apply/--no-apply", default=False, show_default=True,
-              help="Write the best setting into <workdir>/model_repository (engine defaults); restart to use it.")
+              help="Write the best setting as the policy in <workdir>/engines/engine_config.json (the "
+                   "engine's defaults; a re-deploy keeps it); restart to use it.")
 @click.option("--out", type=click.Path(resolve_path=True, file_okay=False), default=None,
               help="Output directory for tune.json, tune.md and runs/ (default: <workdir>/tune).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt draw.")

@@ -165,11 +165,6 @@ def trtllm_input_names(family: str, model: str) -> set[str]:
     return input_names(family, model)
 
 
-def trtllm_output_names(family: str, model: str) -> set[str]:
-    from specbuild.core.upstream_facts import output_names
-    return output_names(family, model)
-
-
 def contract_name_for(family: str, model: str, name: str) -> str | None:
     """The tensor a release declares for a contract input (renamed where needed), None if it has none."""
     names = trtllm_input_names(family, model)

@@ -266,10 +266,6 @@ def input_names(family: str, model: str) -> set[str]:
     return {t["name"] for t in model_facts(family, model)["inputs"]}
 
 
-def output_names(family: str, model: str) -> set[str]:
-    return {t["name"] for t in model_facts(family, model)["outputs"]}
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Template families: our rendering of the facts (placeholders named as upstream's fill_template keys).
 

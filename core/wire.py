@@ -1,7 +1,7 @@
 """The wire format every client of a deployment speaks, in one place (no transport here).
 
-Used by `pipeline/client.py` (infer, verify), the Locust users (`loadtests/triton_user.py`,
-`loadtests/openai_client.py`), the independent client (`loadtests/independent_client.py`) and the
+Used by `pipeline/client.py` (infer, verify), the Locust users (`loadtests/triton_user.py`: the KServe and
+the OpenAI APIs), the independent client (`loadtests/independent_client.py`) and the
 load test's smoke request (`loadtests/target.py`). Three APIs:
 
 - `kserve`: Triton's KServe v2 generate extension: `POST /v2/models/<m>/generate` (one JSON answer) and

@@ -20,6 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from specbuild.loadtests.rundata import Runs, run_key
+
 GENAI_PERF_FILE = "profile_export_genai_perf.json"
 SUMMARY_CSV = "summary.csv"
 GENAI_PERF_MATCHED = "genai-perf statistics.py / llm_metrics.py, triton-inference-server/perf_analyzer@0518df1"
@@ -71,12 +73,22 @@ def genai_perf_export(samples: list[dict[str, Any]], *, stream: bool, window_s: 
     return out
 
 
-def write_genai_perf(out_dir: Path, cells: list[dict[str, Any]]) -> Path:
+def _exports(cells: list[dict[str, Any]], runs: Runs | None, kind: str) -> dict[str, dict[str, Any]]:
+    """run_key -> the run's `kind` export ("genai_perf" | "aiperf"), in the cells' order."""
+    out = {}
+    for c in cells:
+        data = (runs or {}).get(run_key(c))
+        if data is not None and getattr(data, kind):
+            out[run_key(c)] = getattr(data, kind)
+    return out
+
+
+def write_genai_perf(out_dir: Path, cells: list[dict[str, Any]], runs: Runs | None = None) -> Path:
     """`<out>/profile_export_genai_perf.json`: {"format": ..., "runs": {"<profile>/<setting>": export}}
     (each run's export is also in its run directory, one file per run as GenAI-Perf writes it)."""
     path = out_dir / GENAI_PERF_FILE
-    runs = {_run_key(c): c["_genai_perf"] for c in cells if c.get("_genai_perf")}
-    path.write_text(json.dumps({"format": GENAI_PERF_MATCHED, "runs": runs}, indent=2) + "\n")
+    exports = _exports(cells, runs, "genai_perf")
+    path.write_text(json.dumps({"format": GENAI_PERF_MATCHED, "runs": exports}, indent=2) + "\n")
     return path
 
 
@@ -263,17 +275,13 @@ def aiperf_records(samples: list[dict[str, Any]], *, stream: bool) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def write_aiperf(out_dir: Path, cells: list[dict[str, Any]]) -> dict[str, Path]:
+def write_aiperf(out_dir: Path, cells: list[dict[str, Any]], runs: Runs | None = None) -> dict[str, Path]:
     """`<out>/profile_export_aiperf.json` ({"format", "runs": {"<profile>/<setting>": export}}) and
     `<out>/profile_export_aiperf.csv` (each run's CSV section after a `# <profile>/<setting>` line). Each run
     directory holds its own two files in AIPerf's exact layout."""
-    runs = {_run_key(c): c["_aiperf"] for c in cells if c.get("_aiperf")}
+    exports = _exports(cells, runs, "aiperf")
     json_path, csv_path = out_dir / AIPERF_JSON, out_dir / AIPERF_CSV
-    json_path.write_text(json.dumps({"format": AIPERF_MATCHED, "runs": runs}, indent=2) + "\n")
-    csv_path.write_text("".join(f"# {key}\n{aiperf_csv(export)}\n" for key, export in runs.items()))
+    json_path.write_text(json.dumps({"format": AIPERF_MATCHED, "runs": exports}, indent=2) + "\n")
+    csv_path.write_text("".join(f"# {key}\n{aiperf_csv(export)}\n" for key, export in exports.items()))
     return {"aiperf_json": json_path, "aiperf_csv": csv_path}
 
-
-def _run_key(cell: dict[str, Any]) -> str:
-    sweep = cell.get("sweep")
-    return f"{cell['profile']}/" + (f"{sweep['param']}={sweep['value']:g}/" if sweep else "") + cell["setting"]

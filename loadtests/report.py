@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from specbuild.loadtests import export, stalls
+from specbuild.loadtests.rundata import RunData, Runs, values_of
 from specbuild.loadtests.runner import CellResult
 from specbuild.core.machine import one_line
 
 PERCENTILES = (50, 90, 95, 99)
-LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
 
 
 def distribution(values: list[float]) -> dict[str, Any] | None:
@@ -62,8 +62,15 @@ def overall_status(cells: list[dict[str, Any]], *, interrupted: bool, error: str
     return "ok"
 
 
-def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, metrics: dict | None = None,
-                   cross_check: dict | None = None, input_config: dict | None = None) -> dict[str, Any]:
+def summarize_cell(cell: CellResult, **kw) -> dict[str, Any]:
+    """The run's summary (a report cell) alone; `measure_cell` for its RunData too."""
+    return measure_cell(cell, **kw)[0]
+
+
+def measure_cell(cell: CellResult, *, stream: bool, users: int, gates=None, metrics: dict | None = None,
+                 cross_check: dict | None = None,
+                 input_config: dict | None = None) -> tuple[dict[str, Any], RunData]:
+    """(the run's summary: a report cell, what report.json holds of it; its RunData, carried beside it)."""
     ok = [s for s in cell.samples if s.get("ok")]
     failed = [s for s in cell.samples if not s.get("ok")]
     total = len(ok) + len(failed)
@@ -108,11 +115,12 @@ def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, me
         out["cross_check"] = cross_check
     config = {"profile": cell.profile, "setting": cell.setting, "streaming": stream, "concurrency": users,
               **(input_config or {})}
-    out["_genai_perf"] = export.genai_perf_export(cell.samples, stream=stream, window_s=window, input_config=config)
-    out["_aiperf"] = export.aiperf_export(cell.samples, stream=stream, window_s=window, input_config=config)
-    out["_raw"] = {"ttft_ms": [s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None],
-                   "itl_ms": [g for s in ok for g in s.get("itl_ms", [])], "e2e_ms": [s["e2e_ms"] for s in ok],
-                   "tokens": [s["tokens"] for s in ok], "tpot_ms": [s.get("tpot_ms") for s in ok]}
+    data = RunData(
+        values={"ttft_ms": [s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None],
+                "itl_ms": [g for s in ok for g in s.get("itl_ms", [])], "e2e_ms": [s["e2e_ms"] for s in ok],
+                "tokens": [s["tokens"] for s in ok], "tpot_ms": [s.get("tpot_ms") for s in ok]},
+        genai_perf=export.genai_perf_export(cell.samples, stream=stream, window_s=window, input_config=config),
+        aiperf=export.aiperf_export(cell.samples, stream=stream, window_s=window, input_config=config))
     if gates is not None and gates.active:
         problems = gates.violations(p95_ttft_ms=_p(out["ttft_ms"], "p95"), p95_tpot_ms=_p(out["tpot_ms"], "p95"),
                                     p95_e2e_ms=_p(out["e2e_ms"], "p95"),
@@ -120,7 +128,7 @@ def summarize_cell(cell: CellResult, *, stream: bool, users: int, gates=None, me
         if not total:
             problems.append("no request completed")
         out["gates"] = {"passed": not problems, "violations": problems}
-    return out
+    return out, data
 
 
 def _num(x: Any) -> float | None:
@@ -163,27 +171,24 @@ def gain_table(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[s
     return rows
 
 
-def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
-    """Write report.json, report.md and the plots into `out_dir`; returns the paths."""
+def write_report(out_dir: Path, report: dict[str, Any], runs: Runs | None = None) -> dict[str, Path]:
+    """Write report.json, report.md, the exports and the plots into `out_dir` (`runs`: the cells' RunData, for
+    the exports and the plots; report.json holds the cells alone); returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     from specbuild.loadtests.sweep_report import sweep_plots
 
     paths = {"json": out_dir / "report.json", "md": out_dir / "report.md",
-             "genai_perf": export.write_genai_perf(out_dir, report["cells"]),
-             **export.write_aiperf(out_dir, report["cells"]),
+             "genai_perf": export.write_genai_perf(out_dir, report["cells"], runs),
+             **export.write_aiperf(out_dir, report["cells"], runs),
              "csv": export.write_summary_csv(out_dir, report["cells"])}
     # A plot that cannot be drawn is noted in the report; it never costs the report (or what was measured).
     report["plot_errors"] = []
-    for draw in (lambda: _plots(out_dir, report["cells"]),
-                 lambda: sweep_plots(out_dir, report.get("curves") or [], report["cells"])):
+    for draw in (lambda: _plots(out_dir, report["cells"], runs),
+                 lambda: sweep_plots(out_dir, report.get("curves") or [], report["cells"], runs)):
         try:
             paths.update(draw())
         except Exception as e:  # noqa: BLE001  (matplotlib raises many types)
             report["plot_errors"].append(f"{type(e).__name__}: {e}")
-    for c in report["cells"]:
-        c.pop("_raw", None)   # raw samples stay in the run directories, not in report.json
-        c.pop("_genai_perf", None)   # in profile_export_genai_perf.json
-        c.pop("_aiperf", None)   # in profile_export_aiperf.json
     report["plots"] = {k: p.name for k, p in paths.items()
                        if k not in ("json", "md", "genai_perf", "aiperf_json", "aiperf_csv", "csv")}
     paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -291,14 +296,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plots(out_dir: Path, cells: list[dict[str, Any]]) -> dict[str, Path]:
+def _plots(out_dir: Path, cells: list[dict[str, Any]], runs: Runs | None = None) -> dict[str, Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths: dict[str, Path] = {}
-    raw = {(c["profile"], c["setting"]): c.get("_raw", {}) for c in cells}
+    raw = {(c["profile"], c["setting"]): values_of(runs, c) for c in cells}
     for key, title in (("ttft_ms", "Time to first token"), ("itl_ms", "Inter-token latency"),
                        ("e2e_ms", "End-to-end latency")):
         fig, ax = plt.subplots(figsize=(7, 4))

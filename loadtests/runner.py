@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specbuild.loadtests.runspec import ENV_VAR, GATE_EXIT_CODE, SERVER_GONE_EXIT_CODE, STOP_FILE, RunSpec
+from specbuild.loadtests.runspec import ENV_VAR, SERVER_GONE_EXIT_CODE, STOP_FILE, RunSpec
 
 log = logging.getLogger(__name__)
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -209,7 +209,3 @@ def _collect(result: CellResult, samples_dir: Path, csv_prefix: Path) -> None:
             for row in csv.DictReader(f):
                 if row.get("Name") != "Aggregated":
                     result.locust_stats[row["Type"]] = row
-
-
-def gates_failed_in_locust(result: CellResult) -> bool:
-    return result.exit_code == GATE_EXIT_CODE

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specbuild.core.errors import UsageError
+from specbuild.loadtests.rundata import Runs, values_of
 
 SWEEP_PARAMS = ("users", "request_rate")
 ENDPOINT_FIELDS = ("url", "grpc_url", "metrics_url")   # in a --setting: where that setting's runs go
@@ -152,14 +153,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def bootstrap(off: dict[str, Any], on: dict[str, Any], kind: str, *, n: int = BOOTSTRAP, seed: int = 0,
+def bootstrap(a: dict[str, list], b: dict[str, list], kind: str, *, n: int = BOOTSTRAP, seed: int = 0,
               point: float | None = None) -> dict[str, Any] | None:
-    """P(gain > 1) and the 90 % interval of the gain, resampling each run's requests with replacement. For
+    """P(gain > 1) and the 90 % interval of the gain, resampling each run's requests with replacement (`a`, `b`:
+    the baseline's and the setting's per-request values, `RunData.values`). For
     throughput the resampled statistic is sum(tokens) / sum(e2e); its relative spread is applied to `point`
     (the runs' tok/s ratio), so the interval is around the gain the report shows."""
     import numpy as np
 
-    a, b = off.get("_raw") or {}, on.get("_raw") or {}
     rng = np.random.default_rng(seed)
     if kind == "latency":
         x, y = np.asarray(a.get("e2e_ms") or []), np.asarray(b.get("e2e_ms") or [])
@@ -183,7 +184,7 @@ def bootstrap(off: dict[str, Any], on: dict[str, Any], kind: str, *, n: int = BO
     return {"p_gain_gt_1": float((gains > 1).mean()), "ci90": [float(lo), float(hi)], "resamples": n}
 
 
-def point_gain(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+def point_gain(off: dict[str, Any], on: dict[str, Any], runs: Runs | None = None) -> dict[str, Any]:
     kind = objective(on)
     row = {
         "ttft_speedup": _ratio(_p50(off.get("ttft_ms")), _p50(on.get("ttft_ms"))),
@@ -193,13 +194,14 @@ def point_gain(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
         "objective": kind, "requests": [off.get("requests"), on.get("requests")],
     }
     row["gain"] = row["e2e_speedup"] if kind == "latency" else row["throughput_gain"]
-    row["confidence"] = bootstrap(off, on, kind, point=row["gain"])
+    row["confidence"] = bootstrap(values_of(runs, off), values_of(runs, on), kind, point=row["gain"])
     return row
 
 
-def curves(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[str, Any]]:
-    """Per profile and non-baseline setting: its gain at each swept point, and the crossover. A point where
-    either run did not measure (too slow, failed, ...) is kept, with its statuses and no gain."""
+def curves(cells: list[dict[str, Any]], baseline: str | None, runs: Runs | None = None) -> list[dict[str, Any]]:
+    """Per profile and non-baseline setting: its gain at each swept point, and the crossover (the confidence from
+    the runs' `RunData`). A point where either run did not measure (too slow, failed, ...) is kept, with its
+    statuses and no gain."""
     if baseline is None:
         return []
     swept = [c for c in cells if c.get("sweep")]
@@ -215,7 +217,7 @@ def curves(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[str, 
                 if off is None:
                     continue
                 if off.get("status") == "ok" and on.get("status") == "ok":
-                    points.append({"value": point_of(on), **point_gain(off, on)})
+                    points.append({"value": point_of(on), **point_gain(off, on, runs)})
                 else:
                     points.append({"value": point_of(on), "gain": None, "objective": objective(on),
                                    "status": {"baseline": off.get("status"), "setting": on.get("status")},

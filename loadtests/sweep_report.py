@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specbuild.loadtests.rundata import Runs, values_of
+
 
 def _f(x: Any, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
@@ -22,10 +24,10 @@ def load_label(cell: dict[str, Any]) -> str:
     return f"rate={cell['request_rate']:g}/s" if cell.get("request_rate") else f"users={cell.get('users')}"
 
 
-def per_user_tok_s(cell: dict[str, Any]) -> float | None:
-    """Output tokens per second per user: the mean over requests of 1000 / TPOT (AIPerf's
-    output_token_throughput_per_user; for a non-streaming run TPOT = e2e / tokens)."""
-    tpots = [t for t in (cell.get("_raw") or {}).get("tpot_ms") or [] if t]
+def per_user_tok_s(values: dict[str, list]) -> float | None:
+    """Output tokens per second per user from a run's per-request values (`RunData.values`): the mean over
+    requests of 1000 / TPOT (AIPerf's output_token_throughput_per_user; non-streaming: TPOT = e2e / tokens)."""
+    tpots = [t for t in values.get("tpot_ms") or [] if t]
     return sum(1000.0 / t for t in tpots) / len(tpots) if tpots else None
 
 
@@ -86,7 +88,8 @@ def speculation_markdown(cells: list[dict[str, Any]]) -> list[str]:
             "acceptance per draft position | counters |", "|" + "---|" * 8] + rows
 
 
-def sweep_plots(out_dir: Path, curves: list[dict[str, Any]], cells: list[dict[str, Any]]) -> dict[str, Path]:
+def sweep_plots(out_dir: Path, curves: list[dict[str, Any]], cells: list[dict[str, Any]],
+                runs: Runs | None = None) -> dict[str, Path]:
     """gain_vs_load.png (one panel per profile) and pareto.png (one panel per profile)."""
     import matplotlib
 
@@ -128,7 +131,7 @@ def sweep_plots(out_dir: Path, curves: list[dict[str, Any]], cells: list[dict[st
             for setting in dict.fromkeys(c["setting"] for c in swept if c["profile"] == profile):
                 pts = sorted((c for c in swept if c["profile"] == profile and c["setting"] == setting),
                              key=lambda c: c["sweep"]["value"])
-                pts = [(c["tokens_per_s"], per_user_tok_s(c), c["sweep"]["value"]) for c in pts]
+                pts = [(c["tokens_per_s"], per_user_tok_s(values_of(runs, c)), c["sweep"]["value"]) for c in pts]
                 pts = [p for p in pts if p[1] is not None]
                 if not pts:
                     continue

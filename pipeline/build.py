@@ -1,7 +1,7 @@
 """`build` stage: turn `<workdir>/checkpoints/` (from `specbuild convert`) into `<workdir>/engines/`.
 
 The backend does the work (`specbuild.engines.<backend>.build`):
-- `embedded`: an engine directory the pure-PyTorch engine loads (`engine.json`, target/ and draft/ weights in the
+- `embedded`: an engine directory the pure-PyTorch engine loads (`engine_config.json`, target/ and draft/ weights in the
   runtime layout, an optional int8 weight-only draft, tokenizer), a smoke generation and a calibration that
   picks the default K (see `specbuild.engines.embedded.calibrate`);
 - `trtllm`: `trtllm-build` for target and draft (the trtllm-only options below are passed through).

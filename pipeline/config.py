@@ -62,7 +62,3 @@ def default_map(config: dict[str, Any], commands: list[str]) -> dict[str, dict[s
         table = {k.replace("-", "_"): v for k, v in config.get(cmd, {}).items()}
         out[cmd] = {**shared, **table}
     return out
-
-
-def workdir_from_env() -> Path:
-    return Path(os.environ.get("SPECBUILD_WORKDIR", DEFAULT_WORKDIR))

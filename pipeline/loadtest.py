@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from specbuild.loadtests import stalls
 from specbuild.loadtests.profiles import load_profiles
 from specbuild.loadtests.report import overall_status  # noqa: F401  (public API)
+from specbuild.loadtests.rundata import RunData, Runs, run_key
 from specbuild.loadtests import session as _session
 from specbuild.loadtests.session import (OPTIONAL_INPUTS, Session, default_metrics_url,  # noqa: F401 (API)
                                         input_budget, served_names, _payload, smoke)
@@ -141,12 +142,19 @@ class LoadtestConfig:
 
 def run_setting(session: Session, profile, setting: str, fields: dict[str, Any], run_dir: Path,
                 say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """`measure_setting`'s summary alone (what `tune` scores)."""
+    return measure_setting(session, profile, setting, fields, run_dir, say)[0]
+
+
+def measure_setting(session: Session, profile, setting: str, fields: dict[str, Any], run_dir: Path,
+                    say: Callable[[str], None] = lambda m: None) -> tuple[dict[str, Any], RunData]:
     """Measure one setting under one profile: the one path `loadtest` and `tune` share.
 
     Writes `run_dir/` (runspec, Locust CSVs and logs, samples, stop.json, summary.json,
     profile_export_genai_perf.json, profile_export_aiperf.{json,csv}, profile_export.jsonl) and returns the
-    run's summary (a report cell; `status` says how it ended). Never raises for a failed run; Ctrl-C ends
-    the run within seconds with status "interrupted".
+    run's summary (a report cell; `status` says how it ended) and its RunData (the per-request values and
+    the exports, which the report's plots, sweep confidence and export files read). Never raises for a failed
+    run; Ctrl-C ends the run within seconds with status "interrupted".
     """
     from specbuild.loadtests import report as rep, target
     from specbuild.loadtests.runner import run_cell
@@ -168,7 +176,7 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
                     workers=session.workers, stop_timeout=session.stop_timeout, progress_bar=session.progress_bar)
     client_cpu_s = _children_cpu() - cpu0
     deltas = target.metric_deltas(before, None if cell.interrupted else target.scrape(session.metrics_url))
-    summary = rep.summarize_cell(cell, stream=profile.stream, users=profile.users, gates=session.gates,
+    summary, data = rep.measure_cell(cell, stream=profile.stream, users=profile.users, gates=session.gates,
                                  metrics=target.spec_summary(deltas),
                                  input_config={"url": session.url, "model": session.model, "api": session.api,
                                                "protocol": session.protocol, "request_fields": spec.payload,
@@ -184,7 +192,7 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
     if not idle:
         summary["started_with_in_flight"] = left
     summary["run_dir"] = str(run_dir)
-    _write_run_files(run_dir, summary, cell.samples, profile.stream)
+    _write_run_files(run_dir, summary, data, cell.samples, profile.stream)
     stalled = stalls.describe(summary)
     if stalled:
         say(stalled)
@@ -193,7 +201,7 @@ def run_setting(session: Session, profile, setting: str, fields: dict[str, Any],
         say(f"{profile.name} / {setting}: {summary['status']} ({summary['requests']} completed, "
             f"{summary['failures']} failed in {cell.duration_s:.0f} s)"
             + (f": {stop.get('server_gone')}" if stop.get("server_gone") else ""))
-    return summary
+    return summary, data
 
 
 def _run_spec(session: Session, profile, fields: dict[str, Any], run_dir: Path):
@@ -219,15 +227,15 @@ def _run_spec(session: Session, profile, fields: dict[str, Any], run_dir: Path):
     return spec, users
 
 
-def _write_run_files(run_dir: Path, summary: dict[str, Any], samples: list, stream: bool) -> None:
+def _write_run_files(run_dir: Path, summary: dict[str, Any], data: RunData, samples: list, stream: bool) -> None:
     """One run's own files: GenAI-Perf's and AIPerf's exports, and summary.json."""
     from specbuild.loadtests.export import AIPERF_CSV, AIPERF_JSON, AIPERF_JSONL, aiperf_csv, aiperf_records
 
-    (run_dir / "profile_export_genai_perf.json").write_text(json.dumps(summary["_genai_perf"], indent=2) + "\n")
-    (run_dir / AIPERF_JSON).write_text(json.dumps(summary["_aiperf"], indent=2) + "\n")
-    (run_dir / AIPERF_CSV).write_text(aiperf_csv(summary["_aiperf"]))
+    (run_dir / "profile_export_genai_perf.json").write_text(json.dumps(data.genai_perf, indent=2) + "\n")
+    (run_dir / AIPERF_JSON).write_text(json.dumps(data.aiperf, indent=2) + "\n")
+    (run_dir / AIPERF_CSV).write_text(aiperf_csv(data.aiperf))
     (run_dir / AIPERF_JSONL).write_text(aiperf_records(samples, stream=stream))
-    kept = {k: v for k, v in summary.items() if not k.startswith("_") and k != "run_dir"}
+    kept = {k: v for k, v in summary.items() if k != "run_dir"}
     (run_dir / "summary.json").write_text(json.dumps(kept, indent=2, default=str) + "\n")
 
 
@@ -248,19 +256,20 @@ def loadtest(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None)
     """
     say = progress or (lambda msg: log.info(msg))
     runs, sessions, report = _prepare(cfg, say)
+    measured: dict[str, RunData] = {}       # run_key(cell) -> its RunData, beside report["cells"]
     out_dir = Path(cfg.out)
     interrupted, error = False, None
     # 3. the load, into a temporary directory renamed into place at the end, whatever happened
     with stage_output(out_dir) as tmp:
         try:
-            interrupted = _measure(cfg, runs, sessions, report, tmp, say)
+            interrupted = _measure(cfg, runs, sessions, report, measured, tmp, say)
         except KeyboardInterrupt:
             interrupted = True
         except Exception as e:  # noqa: BLE001  (recorded; the report of what was measured is still written)
             error = f"{type(e).__name__}: {e}"
             log.exception("load test aborted")
-        _finish_report(report, interrupted, error)
-        paths = _write_report(tmp, report)
+        _finish_report(report, measured, interrupted, error)
+        paths = _write_report(tmp, report, measured)
         write_manifest(tmp, Manifest(stage="loadtest", inputs={"url": cfg.url, "model": report["model"]},
                                      options={k: str(v) for k, v in cfg.__dict__.items()},
                                      outputs={k: p.name for k, p in paths.items()}))
@@ -269,18 +278,15 @@ def loadtest(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None)
     return report
 
 
-def _write_report(tmp: Path, report: dict[str, Any]) -> dict[str, Path]:
+def _write_report(tmp: Path, report: dict[str, Any], measured: Runs | None = None) -> dict[str, Path]:
     """The report files; if rendering them fails, report.json alone (with the error) and the run directories
     are kept: what was measured is never lost to a report bug."""
     from specbuild.loadtests import report as rep
 
     try:
-        return rep.write_report(tmp, report)
+        return rep.write_report(tmp, report, measured)
     except Exception as e:  # noqa: BLE001
         log.exception("writing the report failed")
-        for c in report["cells"]:
-            for key in ("_raw", "_genai_perf", "_aiperf"):
-                c.pop(key, None)
         report["status"], report["error"] = "error", f"writing the report failed ({type(e).__name__}: {e})"
         path = tmp / "report.json"
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -367,8 +373,10 @@ def _records(cfg: LoadtestConfig):
     return load_prompt_file(cfg.prompts, cfg.prompts_format, counter=counter, seed=cfg.seed)
 
 
-def _measure(cfg: LoadtestConfig, runs: list[Run], sessions: dict, report: dict[str, Any], tmp: Path, say) -> bool:
-    """Every planned run, in order; the report's cells as they complete. Returns True when interrupted."""
+def _measure(cfg: LoadtestConfig, runs: list[Run], sessions: dict, report: dict[str, Any],
+             measured: dict[str, RunData], tmp: Path, say) -> bool:
+    """Every planned run, in order; the report's cells as they complete (their RunData into `measured`).
+    Returns True when interrupted."""
     from specbuild.loadtests.crosscheck import cross_check
 
     t0 = time.monotonic()
@@ -377,9 +385,10 @@ def _measure(cfg: LoadtestConfig, runs: list[Run], sessions: dict, report: dict[
         eta = f", about {elapsed / i * (len(runs) - i) / 60:.0f} min left" if i else ""
         say(f"[run {i + 1}/{len(runs)}{eta}] {run.key}")
         session = sessions[run.endpoint]
-        cell = run_setting(session, run.profile, run.setting, run.fields, run.run_dir(tmp), say)
+        cell, data = measure_setting(session, run.profile, run.setting, run.fields, run.run_dir(tmp), say)
         if run.point:
             cell["sweep"] = {"param": run.point[0], "value": run.point[1]}
+        measured[run_key(cell)] = data
         if cfg.cross_check and cell["status"] == "ok" and run.setting == runs[0].setting and \
                 (run.point is None or run.point == runs[0].point):
             cell["cross_check"] = cross_check(Path(cell["run_dir"]), duration=min(run.profile.duration, 10.0),
@@ -407,13 +416,13 @@ def _alive(session: Session) -> bool:
     return target.alive(session.url)
 
 
-def _finish_report(report: dict[str, Any], interrupted: bool, error: str | None) -> None:
+def _finish_report(report: dict[str, Any], measured: Runs, interrupted: bool, error: str | None) -> None:
     from specbuild.loadtests import report as rep
     from specbuild.loadtests.sweep import curves
 
     ok = [c for c in report["cells"] if c["status"] == "ok"]
     report["gains"] = rep.gain_table(ok, report["baseline"])
-    report["curves"] = curves(report["cells"], report["baseline"]) if report["sweep"] else []
+    report["curves"] = curves(report["cells"], report["baseline"], measured) if report["sweep"] else []
     report["status"] = overall_status(report["cells"], interrupted=interrupted, error=error)
     report["error"] = error
     if report["not_run"]:

@@ -18,16 +18,15 @@ repository. Output: `<out>/tune.json`, `<out>/tune.md`, `<out>/runs/<profile>/<s
 Locust CSVs, samples and summary.json), written atomically.
 
 With `apply`, the chosen setting becomes the deployment's speculation `Policy` (engines/embedded/config.py),
-written as the engine model's `policy` parameter in config.pbtxt (`apply_policy`); the server must be
-restarted to pick it up. Every candidate was measured with its K sent by the request (forced: drafted at every
-concurrency), so the applied policy is that fixed K and proposer with no concurrency cut-off: exactly what was
+written into the `engine_config.json` of the engine the deployment runs (`apply_policy`): the policy's one
+home, which a re-deploy leaves alone; the server must be restarted to pick it up. Every candidate was
+measured with its K sent by the request (forced: drafted at every concurrency), so the applied policy is that fixed K and proposer with no concurrency cut-off: exactly what was
 measured. Requests that send no K then get it (a default-built deployment's adaptive K and measured cut-off
 are replaced); K = 0 switches speculation off by default.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -39,13 +38,12 @@ from specbuild.engines.embedded.config import ConfigError, EngineConfig, Policy
 from specbuild.core.constants import PROPOSERS
 from specbuild.core.contract import SPECULATIVE_MODEL
 from specbuild.core.errors import ManifestError, SpecbuildError, UsageError
-from specbuild.core.manifest import MANIFEST, Manifest, atomic_write_text, stage_output, write_manifest
+from specbuild.core.manifest import MANIFEST, Manifest, stage_output, write_manifest
 from specbuild.pipeline.tune_score import (TIE_TOLERANCE, Setting, choose_default, choose_winner, cell_row, gain_vs_baseline,
-                                  objective_for, per_profile_winners, render_markdown)
+                                  objective_for, render_markdown)
 
 DEFAULT_KS = (0, 1, 2, 4, 6)
-ENGINE_MODEL = "tensorrt_llm"           # the embedded deployment's engine model (holds the engine's params)
-PARAM_POLICY, PARAM_PROFILES = "policy", "tuned_profiles"
+ENGINE_MODEL = "tensorrt_llm"           # the embedded deployment's engine model (names the engine directory)
 
 
 class TuneFailed(SpecbuildError):
@@ -198,8 +196,7 @@ def tune(cfg: TuneConfig, progress: Callable[[str], None] | None = None, show_ba
         if cfg.apply and result["default"]:
             try:
                 result["applied"] = apply_policy(workdir / "model_repository",
-                                                 tuned_policy(result["default"], plan.engine),
-                                                 per_profile_winners(result))
+                                                 tuned_policy(result["default"], plan.engine))
             except SpecbuildError as e:
                 apply_error = e
         failed = [n for n, p in result["profiles"].items() if p["winner"] is None]
@@ -231,7 +228,7 @@ def _plan(cfg: TuneConfig, workdir: Path, say) -> _Plan:
     engine = engine_facts(workdir)
     ks = sweep_ks(cfg.ks, engine["max_draft_len"])
     if cfg.apply:
-        read_engine_model_config(workdir / "model_repository")   # refuse now, not after minutes of load
+        EngineConfig.load(deployed_engine_dir(workdir / "model_repository"))   # refuse now, not after the load
     url, metrics_url = resolve_server(cfg)
     session = open_session(url=url, model=cfg.model, tokenizer=cfg.tokenizer, workdir=workdir,
                            inputs=["num_draft_tokens"], metrics_url=metrics_url, seed=cfg.seed)
@@ -330,52 +327,33 @@ def read_engine_model_config(repo_dir: Path):
     return cfg
 
 
-def apply_policy(repo_dir: str | Path, policy: Policy, per_profile: dict[str, Any]) -> dict[str, Any]:
-    """Write `policy` (and `tuned_profiles`, JSON) as parameters of the engine model's config.pbtxt: parsed with
-    Triton's ModelConfig protobuf, edited, printed back and re-parsed before an atomic write; recorded in the
-    deploy manifest's `extra.tuned`. The server reads the `policy` parameter at load (`Engine.set_policy`).
-    Returns what it did."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    repo_dir = Path(repo_dir)
-    facts = engine_facts(repo_dir.parent)
-    if facts["max_draft_len"] is not None:
-        try:
-            policy.check(max_draft_len=facts["max_draft_len"], has_draft=facts["has_draft"])
-        except ConfigError as e:
-            raise UsageError(str(e)) from None
+def deployed_engine_dir(repo_dir: Path) -> Path:
+    """The engine directory the embedded deployment in `repo_dir` runs (its `engine_dir` parameter)."""
     cfg = read_engine_model_config(repo_dir)
-    path = repo_dir / ENGINE_MODEL / "config.pbtxt"
-    old_text = path.read_text()
-    for stale in ("default_num_draft_tokens", "default_proposer"):     # written by specbuild < 0.2
-        if stale in cfg.parameters:
-            del cfg.parameters[stale]
-    cfg.parameters[PARAM_POLICY].string_value = json.dumps(policy.to_dict(), sort_keys=True)
-    cfg.parameters[PARAM_PROFILES].string_value = json.dumps(per_profile, sort_keys=True)
-    header = list(itertools.takewhile(lambda ln: ln.startswith("#") and "specbuild tune" not in ln,
-                                      old_text.splitlines()))   # the template's leading comment block
-    text = "\n".join(header + [f"# policy set by `specbuild tune --apply` on "
-                               f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {policy.describe()}",
-                               text_format.MessageToString(cfg)]) + "\n"
-    check = model_config_pb2.ModelConfig()
-    text_format.Parse(text, check)
-    if check != cfg:
-        raise ManifestError(f"internal error: the edited {path} does not parse back to the same config.")
-    manifest_path = repo_dir / MANIFEST
-    manifest = json.loads(manifest_path.read_text())
-    tuned = {"policy": policy.to_dict(), "described": policy.describe(), "tuned_profiles": per_profile,
-             "config": str(path), "applied": time.time()}
-    manifest.setdefault("extra", {})["tuned"] = tuned
-    atomic_write_text(path, text)
+    engine_dir = cfg.parameters["engine_dir"].string_value if "engine_dir" in cfg.parameters else ""
+    if not engine_dir:
+        raise ManifestError(f"{Path(repo_dir) / ENGINE_MODEL / 'config.pbtxt'} names no engine_dir; run "
+                            "`specbuild deploy --force`.")
+    return Path(engine_dir)
+
+
+def apply_policy(repo_dir: str | Path, policy: Policy) -> dict[str, Any]:
+    """Write `policy` into the `engine_config.json` of the engine the deployment in `repo_dir` runs: the one
+    home of the policy (the build wrote it, the engine reads it at load, a re-deploy renders nothing of it, so
+    a re-deploy keeps it). Checked against that engine (K <= max_draft_len, a draft for the draft proposer)
+    before an atomic write. Returns what it did."""
+    repo_dir = Path(repo_dir)
+    engine_dir = deployed_engine_dir(repo_dir)
     try:
-        atomic_write_text(manifest_path, json.dumps(manifest, indent=2, default=str) + "\n")
-    except BaseException:
-        atomic_write_text(path, old_text)
-        raise
+        cfg = EngineConfig.load(engine_dir)
+        new = cfg.replace(policy=policy)          # validates the policy against this engine
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    path = new.save(engine_dir)
     workdir = repo_dir.parent
-    return {**tuned, "restart": f"specbuild stop --workdir {workdir} && specbuild serve --workdir {workdir} "
-                                "--background"}
+    return {"policy": policy.to_dict(), "described": policy.describe(), "config": str(path),
+            "applied": time.time(),
+            "restart": f"specbuild stop --workdir {workdir} && specbuild serve --workdir {workdir} --background"}
 
 
 def tuned_policy(default: dict[str, Any], engine: dict[str, Any]) -> Policy:

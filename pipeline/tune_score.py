@@ -145,11 +145,6 @@ def choose_default(per_profile: dict[str, dict[str, Any]]) -> dict[str, Any] | N
             "rule": "least summed regret vs each profile's winner (primary score)"}
 
 
-def per_profile_winners(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {n: {"k": p["winner"]["k"], "proposer": p["winner"]["proposer"], "metric": p["objective"]["metric"],
-                "score": p["winner"]["score"]} for n, p in result["profiles"].items() if p["winner"]}
-
-
 def gain_vs_baseline(rows, winner, objective: Objective) -> float | None:
     """Winner vs K=0 on the primary metric, as a speed-up (> 1 = better than speculation off)."""
     base = next((r for r in rows if r["k"] == 0 and r["valid"]), None)

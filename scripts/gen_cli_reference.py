@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Regenerate the "CLI reference" section of README.md from `--help` of every registered command.
+"""Regenerate the CLI reference, docs/cli.md, from `--help` of every registered command.
 
-    python scripts/gen_cli_reference.py            # rewrite README.md in place
-    python scripts/gen_cli_reference.py --check    # exit 1 if README.md is stale (CI / tests)
+    python scripts/gen_cli_reference.py            # rewrite docs/cli.md in place
+    python scripts/gen_cli_reference.py --check    # exit 1 if docs/cli.md is stale (CI / tests)
 
 The section lives between `<!-- cli-reference:start -->` and `<!-- cli-reference:end -->`. Help is
 rendered at a fixed width (100 columns) so the output does not depend on the terminal.
@@ -18,7 +18,7 @@ import click
 
 START, END = "<!-- cli-reference:start -->", "<!-- cli-reference:end -->"
 WIDTH = 100
-README = Path(__file__).resolve().parent.parent / "README.md"
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
 
 def _context(command: click.Command, name: str, parent: click.Context | None) -> click.Context:
@@ -47,7 +47,8 @@ def render() -> str:
 
 def update(text: str) -> str:
     if START not in text or END not in text:
-        raise SystemExit(f"README has no {START} ... {END} markers; add them where the reference belongs.")
+        raise SystemExit(f"the reference file has no {START} ... {END} markers; add them where the reference "
+                         "belongs.")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return head + render() + tail
@@ -55,19 +56,19 @@ def update(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the README is out of date; write nothing")
-    parser.add_argument("--readme", type=Path, default=README, help=f"README to update (default: {README})")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the reference is out of date; write nothing")
+    parser.add_argument("--file", type=Path, default=REFERENCE, help=f"the file to update (default: {REFERENCE})")
     args = parser.parse_args(argv)
-    current = args.readme.read_text()
+    current = args.file.read_text()
     wanted = update(current)
     if args.check:
         if wanted != current:
-            print(f"{args.readme} is stale: run `python scripts/gen_cli_reference.py`.", file=sys.stderr)
+            print(f"{args.file} is stale: run `python scripts/gen_cli_reference.py`.", file=sys.stderr)
             return 1
         return 0
     if wanted != current:
-        args.readme.write_text(wanted)
-        print(f"updated {args.readme}")
+        args.file.write_text(wanted)
+        print(f"updated {args.file}")
     return 0
 
 

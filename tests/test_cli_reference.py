@@ -1,4 +1,4 @@
-"""README's CLI reference must match `--help` of every registered command (regenerate with
+"""The CLI reference, docs/cli.md, must match `--help` of every registered command (regenerate with
 `python scripts/gen_cli_reference.py`)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ def _script():
     return mod
 
 
-def test_readme_cli_reference_is_current():
+def test_the_cli_reference_is_current():
     gen = _script()
-    assert gen.main(["--check"]) == 0, "README.md is stale: run `python scripts/gen_cli_reference.py`"
+    assert gen.main(["--check"]) == 0, "docs/cli.md is stale: run `python scripts/gen_cli_reference.py`"
 
 
 def test_reference_covers_every_command_and_check_detects_staleness(tmp_path):
@@ -29,10 +29,10 @@ def test_reference_covers_every_command_and_check_detects_staleness(tmp_path):
     for name in COMMANDS:
         assert f"### `specbuild {name}`" in section and f"Usage: specbuild {name} [OPTIONS]" in section
         assert "Example" in section.split(f"### `specbuild {name}`")[1].split("### ")[0], f"{name}: no Example"
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{gen.START}\nold text\n{gen.END}\ntrailer\n")
-    assert gen.main(["--check", "--readme", str(readme)]) == 1
-    assert gen.main(["--readme", str(readme)]) == 0
-    assert gen.main(["--check", "--readme", str(readme)]) == 0
-    text = readme.read_text()
+    doc = tmp_path / "cli.md"
+    doc.write_text(f"# x\n\n{gen.START}\nold text\n{gen.END}\ntrailer\n")
+    assert gen.main(["--check", "--file", str(doc)]) == 1
+    assert gen.main(["--file", str(doc)]) == 0
+    assert gen.main(["--check", "--file", str(doc)]) == 0
+    text = doc.read_text()
     assert text.startswith("# x\n\n") and text.endswith("\ntrailer\n") and "old text" not in text

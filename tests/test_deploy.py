@@ -58,8 +58,9 @@ def test_rendered_configs_parse_and_keep_the_contract(tmp_path):
     assert not {"request_key", "abort"} & {i.name for i in engine.input}
     params = {k: v.string_value for k, v in engine.parameters.items()}
     assert params == {"engine_dir": str((tmp_path / "engines").resolve()), "device": "cpu", "threads": "2",
-                      "max_queue_size": "", "queue_timeout_s": "", "request_timeout_s": "",
-                      "policy": ""}  # empty: engine_config.json decides
+                      "max_queue_size": "", "queue_timeout_s": "", "request_timeout_s": ""}
+    # no policy parameter (engine_config.json is the policy's one home); the client models take no parameters
+    assert not [m for m in ("ensemble", "tensorrt_llm_bls") if parse(files[f"{m}/config.pbtxt"]).parameters]
     default = parse(render(tmp_path / "engines", {"max_batch_size": 8, "device": "", "threads": 0})
                     ["tensorrt_llm/config.pbtxt"])
     assert default.parameters["device"].string_value == ""  # the engine runs where it was built

@@ -30,14 +30,21 @@ def test_parse_sweeps_shared_per_profile_and_refusals():
             sweep.parse_sweeps(bad, ["chat"])
 
 
+RUNS: dict = {}      # run_key -> RunData of the cells `_cell` made (carried beside them, as loadtest does)
+
+
 def _cell(profile, setting, value, e2e, tokens=64, stream=True, n=40, seed=0):
+    from specbuild.loadtests.rundata import RunData, run_key
+
     rng = random.Random(f"{setting}-{value}-{seed}")
     e2es = [e2e * rng.uniform(0.9, 1.1) for _ in range(n)]
-    return {"profile": profile, "setting": setting, "status": "ok", "stream": stream, "users": value,
+    cell = {"profile": profile, "setting": setting, "status": "ok", "stream": stream, "users": value,
             "sweep": {"param": "users", "value": value}, "requests": n,
             "e2e_ms": {"p50": sorted(e2es)[n // 2]}, "ttft_ms": {"p50": 10.0} if stream else None,
-            "tpot_ms": {"p50": e2e / tokens}, "tokens_per_s": value * tokens / (e2e / 1000),
-            "_raw": {"e2e_ms": e2es, "tokens": [tokens] * n, "tpot_ms": [x / tokens for x in e2es]}}
+            "tpot_ms": {"p50": e2e / tokens}, "tokens_per_s": value * tokens / (e2e / 1000)}
+    RUNS[run_key(cell)] = RunData(values={"e2e_ms": e2es, "tokens": [tokens] * n,
+                                          "tpot_ms": [x / tokens for x in e2es]})
+    return cell
 
 
 def test_gain_curve_crossover_and_confidence():
@@ -45,7 +52,7 @@ def test_gain_curve_crossover_and_confidence():
     cells = []
     for value, speedup in ((1, 1.5), (2, 1.2), (4, 1.02), (8, 0.7)):
         cells += [_cell("chat", "off", value, 1000.0), _cell("chat", "draft", value, 1000.0 / speedup)]
-    [curve] = sweep.curves(cells, "off")
+    [curve] = sweep.curves(cells, "off", RUNS)
     assert curve["param"] == "users" and [p["value"] for p in curve["points"]] == [1, 2, 4, 8]
     gains = [p["gain"] for p in curve["points"]]
     assert gains[0] > gains[1] > 1 > gains[3] and all(p["objective"] == "latency" for p in curve["points"])
@@ -62,14 +69,14 @@ def test_gain_curve_crossover_and_confidence():
     # batch is scored on throughput (tok/s on / off); beating at every point: the crossover is beyond the sweep
     cells = [c for v in (1, 4) for c in (_cell("batch", "off", v, 900.0, stream=False),
                                          _cell("batch", "k4", v, 600.0, stream=False))]
-    [curve] = sweep.curves(cells, "off")
+    [curve] = sweep.curves(cells, "off", RUNS)
     assert all(p["objective"] == "throughput" and p["gain"] == pytest.approx(1.5) for p in curve["points"])
     assert curve["crossover"]["value"] == 4 and curve["crossover"]["beyond_sweep"]
     # a point whose run was too slow to measure stays in the curve, without a gain
     slow = _cell("batch", "k4", 8, 600.0, stream=False)
     slow["status"] = "too slow to measure here"
     cells += [_cell("batch", "off", 8, 900.0, stream=False), slow]
-    [curve] = sweep.curves(cells, "off")
+    [curve] = sweep.curves(cells, "off", RUNS)
     assert curve["points"][-1]["gain"] is None and curve["points"][-1]["status"]["setting"] == slow["status"]
     assert curve["crossover"]["value"] == 4 and not curve["crossover"]["beyond_sweep"]
     never = sweep.crossover([{"value": 1, "gain": 0.9, "confidence": None}])
@@ -183,10 +190,10 @@ def _summarized(tmp_path, setting, e2e, n=20):
     samples = [{"kind": "request", "ok": True, "start": 100.0 + i, "e2e_ms": e2e * (1 + (i % 5) / 50),
                 "ttft_ms": None, "itl_ms": [], "tpot_ms": e2e / 64, "tokens": 64, "input_tokens": 20}
                for i in range(n)]
-    cell = rep.summarize_cell(CellResult("batch", setting, tmp_path, 0, 30.0, samples=samples,
-                                         stop={"reason": "complete"}), stream=False, users=4)
+    cell, data = rep.measure_cell(CellResult("batch", setting, tmp_path, 0, 30.0, samples=samples,
+                                             stop={"reason": "complete"}), stream=False, users=4)
     cell["sweep"] = {"param": "users", "value": 4}
-    return cell
+    return cell, data
 
 
 def test_the_report_survives_a_plot_that_cannot_be_drawn_and_a_report_bug(tmp_path, monkeypatch):
@@ -194,22 +201,28 @@ def test_the_report_survives_a_plot_that_cannot_be_drawn_and_a_report_bug(tmp_pa
     from specbuild.loadtests import sweep_report
     from specbuild.pipeline import loadtest
 
+    from specbuild.loadtests.rundata import run_key
+
+    measured = [_summarized(tmp_path, "off", 900.0), _summarized(tmp_path, "k4", 600.0)]
+    runs = {run_key(cell): data for cell, data in measured}
+
     def report():
-        cells = [_summarized(tmp_path, "off", 900.0), _summarized(tmp_path, "k4", 600.0)]
+        cells = [dict(cell) for cell, _ in measured]
         return {"url": "u", "model": "m", "protocol": "http", "started": "t", "status": "ok", "cells": cells,
-                "curves": sweep.curves(cells, "off"), "sweep": {"batch": {"param": "users", "values": [4]}},
+                "curves": sweep.curves(cells, "off", runs), "sweep": {"batch": {"param": "users", "values": [4]}},
                 "gains": []}
 
     r = report()
     r["curves"][0]["points"][0]["confidence"]["ci90"] = [9.0, 9.5]   # an interval beside the point gain
-    rep.write_report(tmp_path / "a", r)
-    assert (tmp_path / "a" / "gain_vs_load.png").is_file() and not r["plot_errors"]
+    rep.write_report(tmp_path / "a", r, runs)
+    assert (tmp_path / "a" / "gain_vs_load.png").is_file() and (tmp_path / "a" / "pareto.png").is_file()
+    assert not r["plot_errors"]
     monkeypatch.setattr(sweep_report, "sweep_plots", lambda *a: 1 / 0)
     r = report()
-    rep.write_report(tmp_path / "b", r)   # the plot's error is in the report, not raised
+    rep.write_report(tmp_path / "b", r, runs)   # the plot's error is in the report, not raised
     assert "ZeroDivisionError" in r["plot_errors"][0]
     assert "could not be drawn" in (tmp_path / "b" / "report.md").read_text()
     monkeypatch.setattr(rep, "write_report", lambda *a: 1 / 0)   # a bug in the report itself
     (tmp_path / "c").mkdir()
-    data = json.loads(loadtest._write_report(tmp_path / "c", report())["json"].read_text())
+    data = json.loads(loadtest._write_report(tmp_path / "c", report(), runs)["json"].read_text())
     assert data["status"] == "error" and "writing the report failed" in data["error"] and len(data["cells"]) == 2

@@ -16,6 +16,7 @@ from specbuild.cli.main import cli
 from specbuild.core.errors import UsageError
 from specbuild.pipeline.loadtest import LoadtestConfig, input_budget, parse_compare, resolve_tokenizer
 from specbuild.loadtests import promptsets, report as rep, target
+from specbuild.loadtests.rundata import run_key
 from specbuild.loadtests.profiles import load_profile, profile_from_dict
 from specbuild.loadtests.runner import CellResult, locust_argv
 from specbuild.loadtests.runspec import Gates, RunSpec
@@ -153,7 +154,9 @@ def test_report_figures_gain_table_and_files(tmp_path):
                     samples=_samples(60.0, 5, 4) + [{"kind": "request", "start": 1000.0, "ok": False,
                                                      "error": "RequestFailed: boom", "e2e_ms": 3.0}])
     gates = Gates(max_p95_ttft_ms=12.0)
-    cells = [rep.summarize_cell(c, stream=True, users=2, gates=gates) for c in (off, on)]
+    measured = [rep.measure_cell(c, stream=True, users=2, gates=gates) for c in (off, on)]
+    cells = [cell for cell, _ in measured]
+    runs = {run_key(cell): data for cell, data in measured}
     c0, c1 = cells
     assert c0["ttft_ms"]["p50"] == 12.0 and c0["e2e_ms"]["p50"] == 112.0 and c0["itl_ms"]["count"] == 10
     assert c0["tpot_ms"]["p50"] == pytest.approx(10.0) and c0["output_tokens"] == 55
@@ -166,9 +169,11 @@ def test_report_figures_gain_table_and_files(tmp_path):
     assert gains[0]["ttft_speedup"] == pytest.approx(1.0) and gains[0]["acceptance_rate"] == 0.5
     report = {"url": "http://x", "model": "m", "protocol": "http", "started": "now", "status": "ok",
               "cells": cells, "gains": gains}
-    paths = rep.write_report(tmp_path / "out", report)
+    paths = rep.write_report(tmp_path / "out", report, runs)
     data = json.loads(paths["json"].read_text())
-    assert {"ttft", "itl", "e2e", "throughput"} <= set(data["plots"]) and "_raw" not in data["cells"][0]
+    assert {"ttft", "itl", "e2e", "throughput"} <= set(data["plots"])
+    assert not [k for c in data["cells"] for k in c if k.startswith("_")]      # the cells alone, no private keys
+    assert runs["chat/num_draft_tokens=0"].values["e2e_ms"] == [110.0 + i for i in range(5)]
     for name in data["plots"].values():
         assert (tmp_path / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = paths["md"].read_text()
@@ -330,7 +335,9 @@ def test_failed_and_too_slow_runs_are_in_every_report_file(tmp_path):
     failed = CellResult("batch", "draft", tmp_path, 0, 70.0, error="Locust produced no results for batch/draft")
     gone = CellResult("batch", "ngram", tmp_path, 4, 8.0, samples=_samples(50.0, 1, None),
                       stop={"reason": "server gone", "server_gone": "5 consecutive connection errors"})
-    cells = [rep.summarize_cell(c, stream=c.profile == "chat", users=2) for c in (ok, slow, failed, gone)]
+    measured = [rep.measure_cell(c, stream=c.profile == "chat", users=2) for c in (ok, slow, failed, gone)]
+    cells = [cell for cell, _ in measured]
+    runs = {run_key(cell): data for cell, data in measured}
     assert [c["status"] for c in cells] == ["ok", "too slow to measure here", "failed", "server gone"]
     from specbuild.loadtests.report import overall_status
 
@@ -340,7 +347,7 @@ def test_failed_and_too_slow_runs_are_in_every_report_file(tmp_path):
     assert overall_status(cells, interrupted=True) == "interrupted" and overall_status(cells[:1], interrupted=False) == "ok"
     report = {"url": "http://x", "model": "m", "protocol": "http", "started": "now", "status": "server gone",
               "cells": cells, "gains": []}
-    paths = rep.write_report(tmp_path / "out", report)
+    paths = rep.write_report(tmp_path / "out", report, runs)
     md = paths["md"].read_text()
     assert "## Runs that did not complete a measurement" in md
     assert "batch / off: **too slow to measure here**: 2 request(s) completed" in md and "wanted 16" in md
@@ -354,7 +361,8 @@ def test_failed_and_too_slow_runs_are_in_every_report_file(tmp_path):
     genai = json.loads(paths["genai_perf"].read_text())
     assert set(genai["runs"]) == {"chat/off", "batch/off", "batch/draft", "batch/ngram"}
     assert genai["runs"]["batch/draft"]["request_count"]["avg"] == 0 and "request_latency" not in genai["runs"]["batch/draft"]
-    assert "_genai_perf" not in json.loads(paths["json"].read_text())["cells"][0]
+    assert not [k for c in json.loads(paths["json"].read_text())["cells"] for k in c if k.startswith("_")]
+    assert set(json.loads(paths["aiperf_json"].read_text())["runs"]) == set(genai["runs"])
 
 
 def test_genai_perf_export_names_statistics_and_units():

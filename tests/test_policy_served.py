@@ -73,7 +73,7 @@ def test_the_calibrated_default_policy_is_what_the_server_runs(calibrated):
     assert policy.adaptive and policy.proposer == "draft" and policy.source == "build: calibrated, measured cut-off"
     loaded = httpx.get(f"{calibrated.http_url}/v2/models/tensorrt_llm/config", headers=calibrated.info.admin_headers,
                        timeout=30).json()["parameters"]
-    assert loaded["policy"]["string_value"] == ""                    # the build's policy: nothing overrides it
+    assert "policy" not in loaded                                    # engine_config.json's policy: its one home
     one = _client(calibrated).generate(PROMPT, max_tokens=48, min_tokens=48, return_perf_metrics=True)
     if policy.max_concurrency == 0:
         assert one.total_draft_tokens == 0                           # measured: never pays here, never drafted
@@ -94,7 +94,9 @@ def test_the_calibrated_default_policy_is_what_the_server_runs(calibrated):
 
 def test_tune_apply_changes_what_a_default_request_gets(calibrated, tmp_path):
     """Runs after the test above, on the same server: the build's adaptive policy (with its measured cut-off) is
-    replaced by what tune measured."""
+    replaced by what tune measured, and a re-deploy before the restart keeps it."""
+    from specbuild.pipeline.deploy import deploy
+
     res = CliRunner().invoke(cli, ["tune", "--workdir", str(calibrated.workdir), "--url", calibrated.http_url,
                                    "--metrics-url", calibrated.metrics_url, "--profile", "chat", "--k", "2",
                                    "--proposer", "draft", "--duration", "2", "--users", "1", "--max-tokens", "8",
@@ -102,10 +104,10 @@ def test_tune_apply_changes_what_a_default_request_gets(calibrated, tmp_path):
     assert res.exit_code == 0, res.output
     applied = json.loads((tmp_path / "tune" / "tune.json").read_text())["applied"]["policy"]
     assert (applied["k"], applied["proposer"], applied["max_concurrency"]) == (2, "draft", None)
+    assert EngineConfig.load(calibrated.workdir / "engines").policy.k == 2
+    calibrated.stop()
+    deploy(workdir=calibrated.workdir, force=True)                    # a re-deploy: the tuned policy stays
     calibrated.restart()
-    loaded = httpx.get(f"{calibrated.http_url}/v2/models/tensorrt_llm/config", headers=calibrated.info.admin_headers,
-                       timeout=30).json()["parameters"]
-    assert json.loads(loaded["policy"]["string_value"])["k"] == 2
     # A request that sends no K now gets exactly what tune measured: K = 2 with the draft at any concurrency,
     # the same drafts as a request that sends K = 2 itself.
     default = _client(calibrated).generate(PROMPT, max_tokens=24, min_tokens=24, return_perf_metrics=True)

@@ -1,5 +1,5 @@
-"""`specbuild tune`: scoring and winner selection, the deployment default, tune.json/tune.md, the config
-edit of `--apply` on a real rendered config.pbtxt (Triton's protobuf), refusals before any load, and one
+"""`specbuild tune`: scoring and winner selection, the deployment default, tune.json/tune.md, what `--apply`
+writes (the engine's engine_config.json, which a re-deploy keeps), refusals before any load, and one
 end-to-end sweep against the real tiny-model tritonserver (tests/servers.py)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from specbuild.core.errors import ManifestError, UsageError
 from specbuild.loadtests.report import summarize_cell
 from specbuild.loadtests.runner import CellResult
 from specbuild.core.manifest import Manifest, write_manifest
-from specbuild.engines.embedded.config import ConfigError, Policy
+from specbuild.engines.embedded.config import ConfigError, EngineConfig, Policy
 from specbuild.pipeline.tune import TuneConfig, apply_policy, parse_k_list, plan_settings, sweep_ks, tuned_policy
 from specbuild.pipeline.tune_score import (OBJECTIVES, Setting, cell_row, choose_default, choose_winner, gain_vs_baseline,
                                   render_markdown)
@@ -164,49 +164,80 @@ def parse(path) -> model_config_pb2.ModelConfig:
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
 
 
-def test_apply_round_trip_on_a_rendered_config(repo_workdir):
+def test_apply_writes_the_policy_into_the_engine_config_and_leaves_the_repository_alone(repo_workdir):
     repo = repo_workdir / "model_repository"
     path = repo / "tensorrt_llm" / "config.pbtxt"
-    before = parse(path)
-    per = {"chat": {"k": 4, "proposer": "draft"}, "batch": {"k": 0, "proposer": None}}
-    out = apply_policy(repo, Policy(k=4, proposer="draft", source="tune"), per)
-    after = parse(path)
-    params = {k: v.string_value for k, v in after.parameters.items()}
-    assert Policy.from_dict(json.loads(params["policy"])) == Policy(k=4, proposer="draft", source="tune")
-    assert json.loads(params["tuned_profiles"]) == per
-    for key in ("engine_dir", "device", "threads"):
-        assert params[key] == before.parameters[key].string_value
-    for field in ("name", "backend", "max_batch_size", "input", "output", "instance_group",
-                  "model_transaction_policy"):
-        assert getattr(after, field) == getattr(before, field)
-    text = path.read_text()
-    assert text.startswith("# specbuild embedded deployment") and text.count("specbuild tune --apply") == 1
-    manifest = json.loads((repo / "manifest.json").read_text())
-    assert manifest["extra"]["tuned"]["policy"]["k"] == 4
-    assert manifest["extra"]["tuned"]["described"] == "K=4 with the draft, at any concurrency"
+    before = path.read_text()
+    assert "policy" not in parse(path).parameters          # the policy is no parameter of the deployment
+    out = apply_policy(repo, Policy(k=4, proposer="draft", source="tune"))
+    engines = repo_workdir / "engines"
+    assert EngineConfig.load(engines).policy == Policy(k=4, proposer="draft", source="tune")
+    assert EngineConfig.load(engines).max_draft_len == 4   # the rest of the engine config as it was
+    assert out["config"] == str(engines / "engine_config.json")
+    assert out["described"] == "K=4 with the draft, at any concurrency"
     assert "specbuild stop" in out["restart"] and "serve" in out["restart"]
-    # applying again replaces (no duplicate header, K=0 without a proposer drops the old one)
-    apply_policy(repo, Policy(k=0, proposer="draft"), {"chat": {"k": 0, "proposer": None}})
-    params = {k: v.string_value for k, v in parse(path).parameters.items()}
-    assert json.loads(params["policy"])["k"] == 0 and "default_num_draft_tokens" not in params
-    assert path.read_text().count("specbuild tune --apply") == 1
+    assert path.read_text() == before
+    apply_policy(repo, Policy(k=0, proposer="draft"))      # applying again replaces
+    assert EngineConfig.load(engines).policy.k == 0
 
 
-def test_apply_refusals_leave_the_config_untouched(repo_workdir, tmp_path_factory):
+def test_apply_refusals_leave_the_engine_config_untouched(repo_workdir, tmp_path_factory):
     repo = repo_workdir / "model_repository"
-    path = repo / "tensorrt_llm" / "config.pbtxt"
+    path = repo_workdir / "engines" / "engine_config.json"
     original = path.read_text()
     with pytest.raises(UsageError, match="max_draft_len=4"):
-        apply_policy(repo, Policy(k=6), {})
+        apply_policy(repo, Policy(k=6))
     with pytest.raises(ConfigError, match="unknown"):
         Policy(k=2, proposer="medusa")
     assert path.read_text() == original
     with pytest.raises(ManifestError, match="run `specbuild deploy`"):
-        apply_policy(tmp_path_factory.mktemp("empty") / "model_repository", Policy(k=2), {})
+        apply_policy(tmp_path_factory.mktemp("empty") / "model_repository", Policy(k=2))
     write_manifest(repo, Manifest(stage="deploy", inputs={}, options={"backend": "trtllm"}))
     with pytest.raises(UsageError, match="embedded engine only"):
-        apply_policy(repo, Policy(k=2), {})
+        apply_policy(repo, Policy(k=2))
     assert path.read_text() == original
+
+
+def _engine_policy(workdir):
+    """The policy the engine process loads from the rendered repository: its `tensorrt_llm` parameters, exactly
+    as `model_repository/embedded/triton_models.py` hands them to `engines/embedded/service.py`."""
+    from specbuild.engines.embedded.service import load_frontend
+
+    params = {k: v.string_value for k, v in
+              parse(workdir / "model_repository" / "tensorrt_llm" / "config.pbtxt").parameters.items()}
+    frontend = load_frontend(params["engine_dir"], params, lambda m: None)
+    try:
+        return frontend.engine.config.policy
+    finally:
+        frontend.close(timeout=5.0)
+
+
+def test_a_re_deploy_keeps_a_tuned_policy(tiny_llama, tmp_path):
+    """build -> deploy -> tune --apply's write -> deploy again: the engine runs the tuned policy."""
+    from specbuild.pipeline.build import build
+    from specbuild.pipeline.convert import convert
+    from specbuild.pipeline.deploy import deploy
+
+    wd = tmp_path / "work"
+    convert(str(tiny_llama), str(tiny_llama), workdir=wd)
+    build(workdir=wd, max_batch_size=2, max_seq_len=64, max_draft_len=4, calibrate=False)
+    deploy(workdir=wd)
+    built = _engine_policy(wd)
+    tuned = Policy(k=2, proposer="ngram", source="tune: k=2/ngram")
+    assert built != tuned
+    apply_policy(wd / "model_repository", tuned)
+    assert _engine_policy(wd) == tuned
+    deploy(workdir=wd, force=True)                     # a re-deploy renders the whole repository again
+    assert _engine_policy(wd) == tuned
+    deploy(workdir=wd, threads=1)                      # so does one with other options
+    assert _engine_policy(wd) == tuned
+
+
+def test_the_engine_refuses_a_stale_policy_parameter(repo_workdir):
+    from specbuild.engines.embedded.service import load_frontend
+
+    with pytest.raises(ConfigError, match="engine_config.json"):
+        load_frontend(str(repo_workdir / "engines"), {"policy": '{"k": 2}'}, lambda m: None)
 
 
 # --- CLI refusals before any load ---------------------------------------------------------------------
@@ -238,11 +269,12 @@ def test_cli_refuses_before_any_load(repo_workdir, tiny_tokenizer, args, code, m
 
 @pytest.mark.server
 def test_tune_end_to_end_against_the_real_server(running_server, tmp_path):
-    """K in {0, 2} for chat, 2 users, ~4 s per setting; --apply on a copy of the served repository."""
+    """K in {0, 2} for chat, 2 users, ~4 s per setting; --apply on a copy of the served engine, deployed."""
+    from specbuild.pipeline.deploy import deploy
+
     work = tmp_path / "work"
-    shutil.copytree(running_server.workdir / "model_repository", work / "model_repository")
-    (work / "engines").mkdir()
-    shutil.copy(running_server.workdir / "engines" / "engine_config.json", work / "engines")
+    shutil.copytree(running_server.workdir / "engines", work / "engines")     # --apply writes its engine_config.json
+    deploy(workdir=work)
     res = CliRunner().invoke(cli, ["tune", "--workdir", str(work), "--url", running_server.http_url,
                                    "--metrics-url", running_server.metrics_url, "--profile", "chat",
                                    "--k", "0,2", "--duration", "4", "--users", "2", "--max-tokens", "8",
@@ -266,21 +298,16 @@ def test_tune_end_to_end_against_the_real_server(running_server, tmp_path):
     assert result["machine"]["cpu_count"] >= 1 and result["status"] == "ok"
     md = (work / "tune" / "tune.md").read_text()
     assert "## chat" in md and f"Winner: **{chat['winner']['label']}**" in md
-    params = parse(work / "model_repository" / "tensorrt_llm" / "config.pbtxt").parameters
-    assert json.loads(params["policy"].string_value)["k"] == chat["winner"]["k"]
-    assert json.loads(params["tuned_profiles"].string_value)["chat"]["k"] == chat["winner"]["k"]
-    assert result["applied"]["config"] == str(work / "model_repository" / "tensorrt_llm" / "config.pbtxt")
+    assert EngineConfig.load(work / "engines").policy.k == chat["winner"]["k"]
+    assert result["applied"]["config"] == str((work / "engines" / "engine_config.json").resolve())
     assert "restart to apply" in res.output
     assert "fewer than 10 requests" in md.lower() or all(r["requests"] >= 10 for r in chat["settings"])
-    # the edited config loads in the real tritonserver ("restart"), which reports the tuned parameters
+    # the tuned engine loads in the real tritonserver ("restart") and answers
     from servers import serve_options
     from specbuild.pipeline import serve
 
     info = serve.start(work, serve_options())
     try:
-        loaded = httpx.get(f"{info.http_url}/v2/models/tensorrt_llm/config", headers=info.admin_headers,
-                           timeout=30).json()["parameters"]
-        assert json.loads(loaded["policy"]["string_value"])["k"] == chat["winner"]["k"]
         gen = httpx.post(f"{info.http_url}/v2/models/tensorrt_llm_bls/generate",
                          json={"text_input": "Hello", "max_tokens": 4}, timeout=120)
         assert gen.status_code == 200 and "text_output" in gen.json()

@@ -83,7 +83,7 @@ def render(engine_dir: Path, options: dict) -> dict[str, str]:
             engine_dir=str(Path(engine_dir).resolve()).replace('"', '\\"'),
             device=options["device"], threads=int(options["threads"]),
             max_queue_size=options.get("max_queue_size", ""), queue_timeout_s=options.get("queue_timeout_s", ""),
-            request_timeout_s=options.get("request_timeout_s", ""), policy=""),
+            request_timeout_s=options.get("request_timeout_s", "")),
         f"{ENGINE_MODEL}/1/model.py": _template(f"{ENGINE_MODEL}/1/model.py"),
     }
     for model in (contract.ENSEMBLE_MODEL, contract.SPECULATIVE_MODEL):

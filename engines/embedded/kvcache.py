@@ -4,7 +4,8 @@ Layout per layer: k, v = [slots + 1, kv_heads, max_seq, head_dim]; the extra las
 padding of ragged batches. A sequence's cache is valid for positions 0..len-1 of its slot; anything
 written beyond (a rejected draft) is overwritten before it can be attended, because a query at position p
 only attends to 0..p and every position <= p is written in the same or an earlier forward. Rolling back
-after a rejection is therefore only a change of the sequence's length counter (see `SeqState`).
+after a rejection is therefore only a change of the sequence's length counter (`Sequence.target_len` /
+`draft_len`, engines/embedded/sequence.py).
 """
 
 from __future__ import annotations

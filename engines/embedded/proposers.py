@@ -1,7 +1,9 @@
 """Proposers: who drafts the K tokens the target verifies.
 
-- `DraftModelProposer`: runs a small model with its own KV cache (same slot numbers as the target), batched
-  across the sequences that speculate, K_i steps each; keeps its cache in sync with the accepted tokens.
+- `DraftModelProposer`: runs the draft model, batched across the sequences that speculate, K_i steps each, on
+  its own KV cache (same slot numbers as the target; caught up with the accepted tokens before drafting) or, a
+  self-draft with the engine's `draft_kv="shared"`, on the target's cache (it writes only the positions the
+  round's verify overwrites).
 - `NgramProposer`: prompt lookup over the request's own tokens; no model, deterministic (q is one-hot).
 """
 

@@ -310,16 +310,18 @@ class EngineService:
 
 # ---- the process -------------------------------------------------------------------------------------
 def load_frontend(engine_dir: str, params: dict, metrics_sink):
-    """Engine + Frontend from the `tensorrt_llm` model's parameters (policy, admission, request limits)."""
+    """Engine + Frontend from the `tensorrt_llm` model's parameters (device, admission, request limits). The
+    policy is engine_config.json's (the build's, or what `specbuild tune --apply` wrote there), never a parameter."""
     from specbuild.engines.embedded import Engine
-    from specbuild.engines.embedded.config import Policy
+    from specbuild.engines.embedded.config import ConfigError
     from specbuild.engines.embedded.frontend import Frontend, RequestLimits
 
+    if str(params.get("policy", "")).strip():               # written by an earlier `tune --apply`
+        raise ConfigError("the tensorrt_llm model's config.pbtxt carries a `policy` parameter, which the engine no "
+                          f"longer reads: the policy lives in {engine_dir}/engine_config.json. Run `specbuild "
+                          "deploy --force` and `specbuild tune --apply` again (or edit engine_config.json's policy).")
     engine = Engine.from_build_dir(engine_dir, device=params.get("device") or None,
                                    threads=int(params.get("threads") or 0) or None)
-    policy = str(params.get("policy", "")).strip()          # `specbuild tune --apply` (else the build's)
-    if policy:
-        engine.set_policy(Policy.from_dict(json.loads(policy)))
     admission = admission_limits(params)                    # deploy's limits ("" = the build's)
     if admission:
         engine.set_admission(**admission)

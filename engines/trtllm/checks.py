@@ -1,7 +1,8 @@
 """Pre-flight refusals for the TensorRT-LLM draft-target path, callable by the server and client side.
 
 Each check raises CheckFailed whose message names the fix.
-Sources: shared/reference/TRTLLM_TRITON.md §1.4, §2.4 (limits), §5 (issues #473, #676, #2789, #3615).
+Sources: upstream's draft-target docs and issues #473, #676, #2789, #3615 (docs/deploying-on-gpus.md, "Limits of
+the BLS draft-target path"); the release facts are in the version table, core/upstream_facts.json.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ how several TensorRT-LLM models (target + draft) share one server (`--multi-mode
 
 Engine path with fast logits: leader mode with spawning disabled, world size 1 + draft ranks +
 target ranks; rank 0 orchestrates, ranks != 0 load only the two engine models; the configs'
-`participant_ids` follow the same layout (TRTLLM_TRITON.md §2.4 item 7, §2.5).
+`participant_ids` follow the same layout.
 
 LLM-API path: `trtllm-serve serve <target> --extra_llm_api_options <yaml>` (`--config` on 1.2; OpenAI API),
 or `tritonserver` on the llmapi repository (`trtllm-llmapi-launch` under MPI when TP*PP > 1).

@@ -1,7 +1,7 @@
 """The LLM-API (PyTorch backend) path per TensorRT-LLM release: field names, the trtllm-serve flag, and the check
 that every YAML and command line we write is one the release accepts.
 
-One dict of `LLM()` arguments serves both servers of this path (TRTLLM_1X.md §2, §4):
+One dict of `LLM()` arguments serves both servers of this path (each fact's source is in the table below):
 - Triton's `llmapi` model (`triton_backend/all_models/llmapi/tensorrt_llm/1/model.py`): every key of its
   `model.yaml` except `triton_config` goes through `update_llm_args_with_extra_dict({}, cfg)` into `LLM(**args)`;
 - `trtllm-serve serve <model> --extra_llm_api_options <yaml>` (`--config` on 1.2), through the same function.

@@ -1,6 +1,6 @@
 """Which TensorRT-LLM generation a version belongs to, and the container that goes with it.
 
-Two generations (shared/reference/TRTLLM_TRITON.md §0, §1.7; TRTLLM_1X.md):
+Two generations (each fact's upstream source is in the version table, core/upstream_facts.json):
 
 - **engine**: `convert_checkpoint` / `from_hugging_face(...).save_checkpoint` -> `trtllm-build` ->
   Triton `inflight_batcher_llm` (draft-target through the BLS model). Exists up to TensorRT-LLM 1.2.1
