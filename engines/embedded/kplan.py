@@ -25,6 +25,8 @@ class KPlanner:
         self.online = OnlineCosts() if online_costs else None           # step costs measured while serving
         self.alpha_prior = prior_alphas(calibration)                     # proposer -> a new sequence's alpha_hat
         self.cutoff_steps_total = 0
+        self.steps_total = 0                                             # rounds planned (engine steps)
+        self.sequence_steps_total = 0                                    # ... summed over their sequences
         self.last_n = 0                                                  # sequences in the latest step
 
     def set_calibration(self, calibration: dict | None) -> None:
@@ -43,6 +45,8 @@ class KPlanner:
         n = self.last_n = len(seqs)
         cutoff = policy.max_concurrency is not None and n > policy.max_concurrency
         self.cutoff_steps_total += cutoff
+        self.steps_total += 1
+        self.sequence_steps_total += n
         explore = self.online is not None and not any(s.forced_k for s in seqs) and self.online.wants_plain(n)
         costs = {p: self.cost(p, n) for p in self.costs}
         ks = [self._k(s, cutoff, costs, explore) for s in seqs]
