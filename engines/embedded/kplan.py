@@ -48,7 +48,10 @@ class KPlanner:
         self.steps_total += 1
         self.sequence_steps_total += n
         explore = self.online is not None and not any(s.forced_k for s in seqs) and self.online.wants_plain(n)
-        costs = {p: self.cost(p, n) for p in self.costs}
+        # priced only for the proposers of adaptive sequences that may draft in this step: a step over the
+        # cut-off (or with none adaptive) plans exactly like speculation off, with no cost model to build
+        costs = {p: self.cost(p, n) for p in dict.fromkeys(
+            s.proposer for s in seqs if s.adaptive is not None and s.num_draft_tokens > 0 and not cutoff)}
         ks = [self._k(s, cutoff, costs, explore) for s in seqs]
         self._share(seqs, ks, costs)
         return ks, cutoff
