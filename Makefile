@@ -5,13 +5,14 @@ BIN    := $(VENV)/bin
 WORKDIR ?= specbuild-work
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-anchor bench-quick llamacpp clean help
+.PHONY: setup test test-fast demo bench bench-anchor bench-ramp bench-quick llamacpp clean help
 
 help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
 	@echo "make demo    - offline end-to-end demo on SmolLM2-135M-Instruct (convert .. report)"
 	@echo "make test    - the full offline test suite (real tokenizers, models, tritonserver, locust)"
 	@echo "make bench   - engine benchmarks -> bench/results/{engine,served,adaptive}.json (bench-quick: short)"
+	@echo "make bench-ramp - load 1 -> 8 -> 1 across the policy's cut-off, and policy-off vs off -> bench/results/ramp.json"
 	@echo "make bench-anchor - the engine beside llama.cpp, plain and speculative (needs make llamacpp)"
 	@echo "make llamacpp - build llama.cpp (llama-server, llama-bench, ...) once into the cache (~8 min; optional)"
 
@@ -45,6 +46,9 @@ bench:
 # llama.cpp beside the engine on the same machine, model and precisions (needs `make llamacpp` once)
 bench-anchor:
 	$(BIN)/python bench/bench_anchor.py --runs 3 --out bench/results/anchor.json
+
+bench-ramp:
+	$(BIN)/python bench/bench_ramp.py --out bench/results/ramp.json
 
 bench-quick:
 	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json
