@@ -22,6 +22,11 @@ from specbuild.cli.options import (api_option, lengths_option, prompts_format_op
                    "e.g. --setting off:num_draft_tokens=0 --setting ngram:num_draft_tokens=4,proposer=ngram; "
                    "one alone measures that configuration. Exclusive with --compare.")
 @sweep_option
+@click.option("--ramp", is_flag=True, default=False,
+              help="With --sweep: run its values up, then back down (--sweep users=1,2,4,8 --ramp = "
+                   "users=1,2,4,8,4,2,1, a rising then falling load; values that come back, as in that list, "
+                   "are a ramp too). The report shows each point in time order with the policy's decision and "
+                   "flags a stall or a throughput dip where the load crosses the cut-off.")
 @api_option
 @click.option("--url", default=None,
               help="Triton HTTP endpoint, or with --api openai-* the server's base URL (a --setting may name its "
@@ -71,7 +76,7 @@ from specbuild.cli.options import (api_option, lengths_option, prompts_format_op
 @click.option("--stop-timeout", type=float, default=5.0, show_default=True,
               help="Seconds in-flight requests may take to finish when a run's duration is over.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt draw.")
-def loadtest_command(profiles, compare, settings, sweep, api, url, grpc_url, metrics_url, model, protocol, tokenizer,
+def loadtest_command(profiles, compare, settings, sweep, ramp, api, url, grpc_url, metrics_url, model, protocol, tokenizer,
                      workdir, out, users, request_rate, prompts, prompts_format, lengths, duration, min_requests,
                      max_duration, max_tokens, max_input_tokens, max_p95_ttft_ms, max_p95_tpot_ms, max_error_rate,
                      workers, cross_check, stop_timeout, seed):
@@ -97,6 +102,7 @@ def loadtest_command(profiles, compare, settings, sweep, api, url, grpc_url, met
           --max-p95-ttft-ms 500 --max-error-rate 0.01
       specbuild loadtest --workdir work --profile chat --profile batch --sweep users=1,2,4,8 \\
           --setting off:num_draft_tokens=0 --setting policy:default --setting draft:num_draft_tokens=4
+      specbuild loadtest --workdir work --profile chat --sweep users=1,2,4,8 --ramp
       specbuild loadtest --api openai-completions --tokenizer ./target --profile chat --sweep users=1,2,4 \\
           --setting off:url=http://127.0.0.1:8080 --setting draft:url=http://127.0.0.1:8081
       specbuild loadtest --api openai-chat --url http://127.0.0.1:8080 --tokenizer ./target \\
@@ -122,7 +128,7 @@ def loadtest_command(profiles, compare, settings, sweep, api, url, grpc_url, met
                          max_input_tokens=max_input_tokens,
                          max_p95_ttft_ms=max_p95_ttft_ms, max_p95_tpot_ms=max_p95_tpot_ms,
                          max_error_rate=max_error_rate, workers=workers, cross_check=cross_check,
-                         stop_timeout=stop_timeout, seed=seed, progress_bar=True, api=api, sweep=tuple(sweep),
+                         stop_timeout=stop_timeout, seed=seed, progress_bar=True, api=api, sweep=tuple(sweep), ramp=ramp,
                          request_rate=request_rate, prompts=Path(prompts) if prompts else None,
                          prompts_format=prompts_format, lengths=lengths)
     loadtest(cfg, progress=lambda msg: click.echo(msg, err=True))

@@ -151,7 +151,7 @@ def gain_table(cells: list[dict[str, Any]], baseline: str | None) -> list[dict[s
     if baseline is None:
         return []
     rows = []
-    point = lambda c: (c.get("sweep") or {}).get("value")  # noqa: E731  (a sweep pairs cells at one point)
+    point = lambda c: ((c.get("sweep") or {}).get("value"), (c.get("sweep") or {}).get("step"))  # noqa: E731
     for off in (c for c in cells if c["setting"] == baseline):
         for on in (c for c in cells if c["profile"] == off["profile"] and c["setting"] != baseline
                    and point(c) == point(off)):
@@ -210,6 +210,7 @@ def _header(report: dict[str, Any]) -> list[str]:
         lines.append(f"- machine: {one_line(machine)}, load generator on CPUs {machine.get('cpu_affinity')}")
     if report.get("sweep"):
         lines.append("- sweep: " + "; ".join(f"{p} {s['param']} = {', '.join(f'{v:g}' for v in s['values'])}"
+                                            + (" (a ramp, in time order)" if s.get("ramp") else "")
                                             for p, s in report["sweep"].items()))
     if report.get("prompts"):
         pr = report["prompts"]
@@ -242,6 +243,7 @@ def _quality(report: dict[str, Any]) -> list[str]:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
+    from specbuild.loadtests.ramp import ramp_markdown
     from specbuild.loadtests.sweep_report import curves_markdown, load_label as _load, speculation_markdown
 
     lines = _header(report)
@@ -268,6 +270,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{_f(g['tpot_speedup'], '{:.2f}x')} | {_f(g['e2e_speedup'], '{:.2f}x')} | "
                          f"{_f(g['throughput_gain'], '{:.2f}x')} | {_f(g['acceptance_rate'], '{:.2f}')} | "
                          f"{_f(g['mean_accepted_length'], '{:.2f}')} |")
+    lines += ramp_markdown(report.get("ramp") or [])
     lines += speculation_markdown(report["cells"]) + _quality(report)
     unmeasured = [c for c in report["cells"] if c.get("status", "ok") != "ok"]
     if unmeasured:

@@ -27,7 +27,10 @@ Runs = Mapping[str, RunData]       # run_key(cell) -> that cell's RunData
 def run_key(cell: Mapping[str, Any]) -> str:
     """`<profile>/<setting>`, or `<profile>/<param>=<value>/<setting>` for a sweep point: one per report cell."""
     sweep = cell.get("sweep")
-    return f"{cell['profile']}/" + (f"{sweep['param']}={sweep['value']:g}/" if sweep else "") + cell["setting"]
+    if not sweep:
+        return f"{cell['profile']}/{cell['setting']}"
+    step = f"@{sweep['step']}" if sweep.get("step") is not None else ""      # a ramp visits a load twice
+    return f"{cell['profile']}/{sweep['param']}={sweep['value']:g}{step}/{cell['setting']}"
 
 
 def values_of(runs: Runs | None, cell: Mapping[str, Any]) -> dict[str, list]:

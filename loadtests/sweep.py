@@ -2,6 +2,10 @@
 
 `--sweep users=1,2,4,8` (closed loop: concurrent users) or `--sweep request_rate=0.5,1,2` (open loop:
 Poisson arrivals per second), for every profile, or `--sweep batch:users=8,16,32` for one profile.
+Distinct values are run in ascending order. A **ramp** keeps its order: values that come back
+(`users=1,2,4,8,4,2,1`: a rising then falling load) or `--ramp` (`--sweep users=1,2,4,8 --ramp` = the same
+ramp: up, then back down). A ramp's points are told apart by their step (`Run.step`, `cell["sweep"]["step"]`):
+the same load on the way up and on the way down are two points (`loadtests/ramp.py` reads them in time order).
 Each point is a profile with that load (`Profile.with_overrides`), and every setting is measured at every
 point by the ordinary run path (`pipeline.loadtest.run_setting`), so each point obeys the per-run rules
 (duration and min_requests, the ceiling, "too slow to measure here", server gone, Ctrl-C).
@@ -37,16 +41,25 @@ BOOTSTRAP = 1000
 @dataclass(frozen=True)
 class Sweep:
     param: str                  # "users" | "request_rate"
-    values: tuple[float, ...]   # ascending
+    values: tuple[float, ...]   # in run order: ascending, or a ramp's time order
     profile: str | None = None  # None: every profile
+    ramp: bool = False          # the values are a load over time (repeats allowed, order kept)
 
     def label(self, value: float) -> str:
         """The point's directory / display name: `users-4`, `request_rate-0.5`."""
         return f"{self.param}-{value:g}"
 
 
-def parse_sweeps(items: tuple[str, ...] | list[str], profiles: list[str]) -> dict[str, Sweep]:
-    """`["users=1,2,4"]` or `["chat:users=1,2", "batch:users=8,16"]` -> profile name -> Sweep."""
+def ramp_values(values: list[float]) -> list[float]:
+    """`--ramp`: distinct values up, then back down: [1, 2, 4, 8] -> [1, 2, 4, 8, 4, 2, 1]."""
+    up = sorted(set(values))
+    return up + up[-2::-1]
+
+
+def parse_sweeps(items: tuple[str, ...] | list[str], profiles: list[str], *, ramp: bool = False) -> dict[str, Sweep]:
+    """`["users=1,2,4"]` or `["chat:users=1,2", "batch:users=8,16"]` -> profile name -> Sweep. Values that
+    come back (`users=1,4,1`) are a ramp, run in the order given; `ramp=True` (`--ramp`) turns distinct values
+    into one (up, then down)."""
     out: dict[str, Sweep] = {}
     for item in items:
         m = re.fullmatch(r"\s*(?:([A-Za-z0-9_.-]+)\s*:)?\s*([a-z_]+)\s*=\s*(.+)", item)
@@ -65,15 +78,23 @@ def parse_sweeps(items: tuple[str, ...] | list[str], profiles: list[str]) -> dic
             if x <= 0:
                 raise UsageError(f"--sweep {item!r}: every {param} must be > 0, got {v.strip()}.")
             values.append(x)
-        if len(set(values)) != len(values):
-            raise UsageError(f"--sweep {item!r} repeats a value.")
+        if any(a == b for a, b in zip(values, values[1:])):
+            raise UsageError(f"--sweep {item!r} repeats a value back to back; a ramp changes the load at every "
+                             "point (e.g. users=1,2,4,2,1).")
+        is_ramp = len(set(values)) != len(values)
+        if ramp and is_ramp:
+            raise UsageError(f"--sweep {item!r} is already a ramp (a value comes back); drop --ramp, or give "
+                             "each value once with --ramp (it goes up, then back down).")
+        if ramp and len(values) < 2:
+            raise UsageError(f"--ramp needs at least two load values, got --sweep {item!r}.")
+        ordered = tuple(values) if is_ramp else tuple(ramp_values(values) if ramp else sorted(values))
         if scope is not None and scope not in profiles:
             raise UsageError(f"--sweep {item!r} names profile {scope!r}, which is not run (--profile: {profiles}).")
         for name in ([scope] if scope else profiles):
             if name in out and (scope is None) == (out[name].profile is None):
                 raise UsageError(f"--sweep: two sweeps for profile {name!r}; give one per profile.")
             if name not in out or scope is not None:   # a profile's own sweep wins over the shared one
-                out[name] = Sweep(param, tuple(sorted(values)), scope)
+                out[name] = Sweep(param, ordered, scope, ramp=ramp or is_ramp)
     return out
 
 
@@ -86,43 +107,64 @@ class Run:
     fields: dict[str, Any]
     endpoint: tuple[str | None, str | None, str | None]   # the setting's (url, grpc_url, metrics_url), or Nones
     point: tuple[str, float] | None = None                 # (sweep param, value)
+    step: int | None = None                                # a ramp's point: its place in time (0, 1, ...)
 
     @property
     def key(self) -> str:
-        return f"{self.profile.name}/" + (f"{self.point[0]}={self.point[1]:g}/" if self.point else "") + self.setting
+        at = "" if self.step is None else f"@{self.step}"
+        return f"{self.profile.name}/" + (f"{self.point[0]}={self.point[1]:g}{at}/" if self.point else "") + \
+            self.setting
+
+    @property
+    def sweep_cell(self) -> dict[str, Any] | None:
+        """What a report cell records of its point (`cell["sweep"]`)."""
+        if not self.point:
+            return None
+        return {"param": self.point[0], "value": self.point[1],
+                **({} if self.step is None else {"step": self.step, "ramp": True})}
 
     def run_dir(self, root: Path) -> Path:
         base = root / "runs" / self.profile.name
         if self.point:
-            base = base / f"{self.point[0]}-{self.point[1]:g}"
+            at = "" if self.step is None else f"{self.step:02d}-"
+            base = base / f"{at}{self.point[0]}-{self.point[1]:g}"
         return base / self.setting.replace("=", "-")
 
 
 def plan(profiles: list, named: list[tuple[str, dict[str, Any]]], sweep_items: tuple[str, ...] = (),
-         extra: dict[str, Any] | None = None) -> list[Run]:
+         extra: dict[str, Any] | None = None, *, ramp: bool = False) -> list[Run]:
     """Every profile x sweep point x setting (settings innermost: the settings of one point run back to back,
     so they see the same machine). A setting's `url` / `grpc_url` / `metrics_url` are its endpoint, the rest
-    (after `extra`, the fields sent with every request) its request fields."""
-    sweeps = parse_sweeps(sweep_items, [p.name for p in profiles])
+    (after `extra`, the fields sent with every request) its request fields. A ramp's points keep their order
+    and carry their step."""
+    if ramp and not sweep_items:
+        raise UsageError("--ramp goes with a --sweep: e.g. --sweep users=1,2,4,8 --ramp.")
+    sweeps = parse_sweeps(sweep_items, [p.name for p in profiles], ramp=ramp)
     runs = []
     for profile in profiles:
         sweep = sweeps.get(profile.name)
-        points = [None] if sweep is None else [(sweep.param, v) for v in sweep.values]
-        for point in points:
+        points = [(None, None)] if sweep is None else \
+            [((sweep.param, v), i if sweep.ramp else None) for i, v in enumerate(sweep.values)]
+        for point, step in points:
             p = profile if point is None else profile.with_overrides(**{point[0]: point[1]})
             for name, fields in named:
                 endpoint = tuple(fields.get(k) for k in ENDPOINT_FIELDS)
                 request = {k: v for k, v in {**(extra or {}), **fields}.items() if k not in ENDPOINT_FIELDS}
-                runs.append(Run(p, name, request, endpoint, point))
+                runs.append(Run(p, name, request, endpoint, point, step))
     return runs
 
 
 def sweep_summary(runs: list[Run]) -> dict[str, Any]:
+    """profile -> {"param", "values"} in run order (a ramp: every step, `"ramp": true`)."""
     out: dict[str, Any] = {}
+    seen: set = set()
     for r in runs:
         if r.point:
             entry = out.setdefault(r.profile.name, {"param": r.point[0], "values": []})
-            if r.point[1] not in entry["values"]:
+            if r.step is not None:
+                entry["ramp"] = True
+            if (r.profile.name, r.point[1], r.step) not in seen:
+                seen.add((r.profile.name, r.point[1], r.step))
                 entry["values"].append(r.point[1])
     return out
 
@@ -134,6 +176,18 @@ def first_at(runs: list[Run], run: Run) -> Run:
 
 def point_of(cell: dict[str, Any]) -> float | None:
     return (cell.get("sweep") or {}).get("value")
+
+
+def point_key(cell: dict[str, Any]) -> tuple:
+    """What pairs a setting's cell with the baseline's at one point: the value, and a ramp's step."""
+    sw = cell.get("sweep") or {}
+    return sw.get("value"), sw.get("step")
+
+
+def time_order(cell: dict[str, Any]) -> tuple:
+    """Sort key: a ramp's cells by step, a plain sweep's by value."""
+    sw = cell.get("sweep") or {}
+    return (sw.get("step") if sw.get("step") is not None else -1, sw.get("value") or 0)
 
 
 def objective(cell: dict[str, Any]) -> str:
@@ -209,23 +263,27 @@ def curves(cells: list[dict[str, Any]], baseline: str | None, runs: Runs | None 
     for profile in dict.fromkeys(c["profile"] for c in swept):
         mine = [c for c in swept if c["profile"] == profile]
         param = mine[0]["sweep"]["param"]
-        offs = {point_of(c): c for c in mine if c["setting"] == baseline}
+        offs = {point_key(c): c for c in mine if c["setting"] == baseline}
         for setting in dict.fromkeys(c["setting"] for c in mine if c["setting"] != baseline):
             points = []
-            for on in sorted((c for c in mine if c["setting"] == setting), key=point_of):
-                off = offs.get(point_of(on))
+            for on in sorted((c for c in mine if c["setting"] == setting), key=time_order):
+                off = offs.get(point_key(on))
                 if off is None:
                     continue
+                at = {"value": point_of(on), **({"step": on["sweep"]["step"]}
+                                                if on["sweep"].get("step") is not None else {})}
                 if off.get("status") == "ok" and on.get("status") == "ok":
-                    points.append({"value": point_of(on), **point_gain(off, on, runs)})
+                    points.append({**at, **point_gain(off, on, runs)})
                 else:
-                    points.append({"value": point_of(on), "gain": None, "objective": objective(on),
+                    points.append({**at, "gain": None, "objective": objective(on),
                                    "status": {"baseline": off.get("status"), "setting": on.get("status")},
                                    "requests": [off.get("requests"), on.get("requests")], "confidence": None,
                                    **{k: None for k in ("ttft_speedup", "tpot_speedup", "e2e_speedup",
                                                         "throughput_gain")}})
+            # a ramp's crossover is read off its points by load (each load's first visit: the way up)
+            by_load = list({p["value"]: p for p in reversed(points)}.values())
             out.append({"profile": profile, "setting": setting, "baseline": baseline, "param": param,
-                        "points": points, "crossover": crossover(points)})
+                        "points": points, "crossover": crossover(sorted(by_load, key=lambda p: p["value"]))})
     return out
 
 

@@ -20,7 +20,8 @@ def _f(x: Any, fmt: str = "{:.2f}") -> str:
 def load_label(cell: dict[str, Any]) -> str:
     sweep = cell.get("sweep") or {}
     if sweep:
-        return f"{sweep['param']}={sweep['value']:g}"
+        at = "" if sweep.get("step") is None else f" @{sweep['step']}"   # a ramp's point: its step
+        return f"{sweep['param']}={sweep['value']:g}{at}"
     return f"rate={cell['request_rate']:g}/s" if cell.get("request_rate") else f"users={cell.get('users')}"
 
 
@@ -50,7 +51,9 @@ def curves_markdown(curves: list[dict[str, Any]]) -> list[str]:
                 continue
             conf = p.get("confidence") or {}
             ci = conf.get("ci90")
-            lines.append(f"| {cv['profile']} | {cv['setting']} vs {cv['baseline']} | {cv['param']}={p['value']:g} | "
+            at = "" if p.get("step") is None else f" @{p['step']}"
+            lines.append(f"| {cv['profile']} | {cv['setting']} vs {cv['baseline']} | "
+                         f"{cv['param']}={p['value']:g}{at} | "
                          f"{p['objective']} | {_f(p['gain'], '{:.2f}x')} | {_f(conf.get('p_gain_gt_1'))} | "
                          f"{'-' if not ci else f'{ci[0]:.2f}-{ci[1]:.2f}'} | {_f(p['ttft_speedup'], '{:.2f}x')} | "
                          f"{_f(p['tpot_speedup'], '{:.2f}x')} | {_f(p['e2e_speedup'], '{:.2f}x')} | "

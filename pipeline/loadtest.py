@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from specbuild.loadtests import stalls
+from specbuild.loadtests import ramp, stalls
 from specbuild.loadtests.profiles import load_profiles
 from specbuild.loadtests.report import overall_status  # noqa: F401  (public API)
 from specbuild.loadtests.rundata import RunData, Runs, run_key
@@ -105,6 +105,7 @@ class LoadtestConfig:
     extra: dict[str, Any] = field(default_factory=dict)   # more request fields sent with every request
     api: str = wire.KSERVE                 # wire.APIS: kserve | openai-completions | openai-chat
     sweep: tuple[str, ...] = ()            # "users=1,2,4,8", "request_rate=0.5,1", "batch:users=8,16,32"
+    ramp: bool = False                     # the sweep's values up, then back down, in time order
     request_rate: float | None = None      # open loop, requests/s (Poisson) for every profile
     prompts: Path | None = None            # users' own prompts (jsonl / ShareGPT; loadtests/datasets.py)
     prompts_format: str = "auto"
@@ -165,6 +166,7 @@ def measure_setting(session: Session, profile, setting: str, fields: dict[str, A
         say(f"{profile.name} / {setting}: {left:g} requests of the previous run still in flight after "
             f"{profile.ceiling:g} s; measuring anyway (the run starts on a busy server)")
     before = target.scrape(session.metrics_url)
+    after = None
     open_loop = profile.request_rate is not None
     load = (f"{profile.request_rate:g} requests/s (open loop)" if open_loop else f"{profile.users} users")
     say(f"{profile.name} / {setting}: {load}, {profile.duration:g} s and >= {profile.min_requests} "
@@ -175,13 +177,15 @@ def measure_setting(session: Session, profile, setting: str, fields: dict[str, A
                     spawn_rate=float(users) if open_loop else profile.effective_spawn_rate,
                     workers=session.workers, stop_timeout=session.stop_timeout, progress_bar=session.progress_bar)
     client_cpu_s = _children_cpu() - cpu0
-    deltas = target.metric_deltas(before, None if cell.interrupted else target.scrape(session.metrics_url))
+    after = None if cell.interrupted else target.scrape(session.metrics_url)
+    deltas = target.metric_deltas(before, after)
     summary, data = rep.measure_cell(cell, stream=profile.stream, users=profile.users, gates=session.gates,
                                  metrics=target.spec_summary(deltas),
                                  input_config={"url": session.url, "model": session.model, "api": session.api,
                                                "protocol": session.protocol, "request_fields": spec.payload,
                                                "request_rate": profile.request_rate})
     summary["server_metrics_delta"] = target.model_deltas(deltas, session.model)
+    summary["server_state"] = ramp.server_state(after)
     summary["client_cpu"] = {"cpu_s": round(client_cpu_s, 3),
                              "cores": round(client_cpu_s / cell.duration_s, 3) if cell.duration_s else None,
                              "note": "user + system CPU of the load generator's processes over the run's wall time"}
@@ -313,7 +317,7 @@ def _prepare(cfg: LoadtestConfig, say) -> tuple[list[Run], dict, dict[str, Any]]
     gates = Gates(max_p95_ttft_ms=cfg.max_p95_ttft_ms, max_p95_tpot_ms=cfg.max_p95_tpot_ms,
                   max_error_rate=cfg.max_error_rate)
     named = settings or [(f"{param}={v}" if param else "default", {param: v} if param else {}) for v in values]
-    runs = plan(profiles, named, cfg.sweep, cfg.extra)
+    runs = plan(profiles, named, cfg.sweep, cfg.extra, ramp=cfg.ramp)
     # 2. the server(s): up, model there, every parameter we send declared; one smoke request per run
     session = open_session(url=cfg.url, model=model, tokenizer=cfg.tokenizer, workdir=Path(cfg.workdir),
                            inputs=([param] if param else []) + setting_fields + list(cfg.extra),
@@ -387,7 +391,7 @@ def _measure(cfg: LoadtestConfig, runs: list[Run], sessions: dict, report: dict[
         session = sessions[run.endpoint]
         cell, data = measure_setting(session, run.profile, run.setting, run.fields, run.run_dir(tmp), say)
         if run.point:
-            cell["sweep"] = {"param": run.point[0], "value": run.point[1]}
+            cell["sweep"] = run.sweep_cell
         measured[run_key(cell)] = data
         if cfg.cross_check and cell["status"] == "ok" and run.setting == runs[0].setting and \
                 (run.point is None or run.point == runs[0].point):
@@ -423,6 +427,7 @@ def _finish_report(report: dict[str, Any], measured: Runs, interrupted: bool, er
     ok = [c for c in report["cells"] if c["status"] == "ok"]
     report["gains"] = rep.gain_table(ok, report["baseline"])
     report["curves"] = curves(report["cells"], report["baseline"], measured) if report["sweep"] else []
+    report["ramp"] = ramp.analyse(report["cells"])
     report["status"] = overall_status(report["cells"], interrupted=interrupted, error=error)
     report["error"] = error
     if report["not_run"]:

@@ -94,8 +94,16 @@ def test_tracker_counts_tested_drafts_only_and_probes_when_off():
     assert beta.alpha == pytest.approx((2 + 0.5 * 2) / (3 + 2))
     tr.alpha = 0.0
     cost = CostModel()
-    assert [tr.next_k(cost, 4) for _ in range(7)] == [0, 0, 1, 0, 0, 1, 0]
-    assert tr.history == [0, 0, 1, 0, 0, 1, 0]
+    # probes after 3, then 6, then 12 K = 0 steps: each probe that finds nothing doubles the wait
+    probes = [0, 0, 1] + [0] * 5 + [1] + [0] * 11 + [1]
+    assert [tr.next_k(cost, 4) for _ in range(len(probes))] == probes
+    assert tr.history == probes
+    tr.alpha = 0.95                                            # acceptance recovered: drafting by choice again
+    assert tr.next_k(cost, 4) > 0
+    tr.alpha = 0.0                                             # ... and off again: probes start over at 3
+    assert [tr.next_k(cost, 4) for _ in range(3)] == [0, 0, 1]
+    capped = AcceptanceTracker(0.0, AdaptivePolicy(probe_every=2, probe_max=4))
+    assert [capped.next_k(cost, 4) for _ in range(12)] == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0]
 
 
 def test_crossover_is_the_first_batch_size_where_drafting_loses():

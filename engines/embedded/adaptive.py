@@ -19,8 +19,11 @@ round that accepted n of k drafts is n successes then (if n < k) one failure; dr
 rejection were never tested and do not count (the estimator of `calibrate.estimate_alpha`). Trial t has
 weight max(1 / (t + prior_strength), min_weight): a Beta-posterior-like mean while evidence is thin (an
 unrelated draft is off after ~4 rejections), then a forgetting EWMA (one rejection after a long accepted run
-moves 0.93 to 0.84, not to K = 0). A sequence at K = 0 learns nothing, so every `probe_every`-th
-consecutive K = 0 step drafts one token as a probe; a recovered acceptance turns speculation back on.
+moves 0.93 to 0.84, not to K = 0). A sequence at K = 0 learns nothing, so after `probe_every` consecutive
+K = 0 steps it drafts one token as a probe; a recovered acceptance turns speculation back on. A probe that
+does not turn it back on doubles the wait for the next one (up to `probe_max` steps): a probe costs a draft
+step, its catch-up and a wider verify, work speculation off never does (counted in tests/test_policy_off.py:
+an unrelated tiny draft over 200 tokens, 26 probes at a fixed 1 in 8, 6 with the doubling).
 
 Worked example (c = 0.3, v(K) = 0.1 + 0.05 K): a = 0.9 -> K = 5 (predicted 1.64x); a = 0.5 -> K = 1 (1.03x);
 a = 0.3 -> K = 0 (no K beats plain decoding).
@@ -117,11 +120,12 @@ class AdaptivePolicy:
     min_weight: float = 0.1          # EWMA weight of one trial once evidence has built up
     prior_alpha: float = 0.8         # optimistic start: a failing draft is off after ~4 rejections, while a
                                      # pessimistic one would sit at K = 0 and learn only from probes
-    probe_every: int = 8             # after this many K = 0 steps in a row, draft 1 token to re-measure
+    probe_every: int = 8             # after this many K = 0 steps in a row, draft 1 token to re-measure ...
+    probe_max: int = 128             # ... and twice as many after each probe that did not turn drafting back on
 
     def __post_init__(self):
         if (not 0 < self.min_weight <= 1 or self.prior_strength < 0 or not 0 <= self.prior_alpha <= 1
-                or self.probe_every < 1):
+                or self.probe_every < 1 or self.probe_max < self.probe_every):
             raise ValueError(f"invalid adaptive policy {self}")
 
 
@@ -140,6 +144,7 @@ class AcceptanceTracker:
     alpha: float
     policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
     zero_steps: int = 0
+    probe_gap: int = 0                                   # K = 0 steps before the next probe (0: probe_every)
     trials: int = 0                                      # acceptance trials observed
     history: list[int] = field(default_factory=list)     # K chosen at each step (within the max_tokens cap)
 
@@ -159,12 +164,16 @@ class AcceptanceTracker:
 
     def next_k(self, cost: CostModel, max_k: int) -> int:
         k = choose_k(self.alpha, cost, max_k)
+        gap = self.probe_gap or self.policy.probe_every
         if k == 0 and max_k > 0:
             self.zero_steps += 1
-            if self.zero_steps >= self.policy.probe_every:
+            if self.zero_steps >= gap:            # a probe; if it does not turn drafting on, wait twice as long
                 self.zero_steps, k = 0, 1
+                self.probe_gap = min(2 * gap, self.policy.probe_max)
         else:
             self.zero_steps = 0
+            if k > 0:                             # drafting by choice again: probes start over at probe_every
+                self.probe_gap = 0
         self.history.append(k)
         return k
 

@@ -25,6 +25,8 @@ class KPlanner:
         self.online = OnlineCosts() if online_costs else None           # step costs measured while serving
         self.alpha_prior = prior_alphas(calibration)                     # proposer -> a new sequence's alpha_hat
         self.cutoff_steps_total = 0
+        self.steps_total = 0                                             # rounds planned (engine steps)
+        self.sequence_steps_total = 0                                    # ... summed over their sequences
         self.last_n = 0                                                  # sequences in the latest step
 
     def set_calibration(self, calibration: dict | None) -> None:
@@ -43,8 +45,13 @@ class KPlanner:
         n = self.last_n = len(seqs)
         cutoff = policy.max_concurrency is not None and n > policy.max_concurrency
         self.cutoff_steps_total += cutoff
+        self.steps_total += 1
+        self.sequence_steps_total += n
         explore = self.online is not None and not any(s.forced_k for s in seqs) and self.online.wants_plain(n)
-        costs = {p: self.cost(p, n) for p in self.costs}
+        # priced only for the proposers of adaptive sequences that may draft in this step: a step over the
+        # cut-off (or with none adaptive) plans exactly like speculation off, with no cost model to build
+        costs = {p: self.cost(p, n) for p in dict.fromkeys(
+            s.proposer for s in seqs if s.adaptive is not None and s.num_draft_tokens > 0 and not cutoff)}
         ks = [self._k(s, cutoff, costs, explore) for s in seqs]
         self._share(seqs, ks, costs)
         return ks, cutoff

@@ -407,5 +407,8 @@ class Scheduler:
                 "queue_expired_total": a.expired_total,
                 "request_timeouts_total": a.timed_out_total,
                 "spec_cutoff_steps_total": self.kplan.cutoff_steps_total,
+                "steps_total": self.kplan.steps_total,
+                "sequence_steps_total": self.kplan.sequence_steps_total,
+                "policy_max_concurrency": -1 if self.policy.max_concurrency is None else self.policy.max_concurrency,
                 **self.kplan.measured_costs(self.draft is not None),
             }

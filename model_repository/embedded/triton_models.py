@@ -239,6 +239,12 @@ METRICS = (  # (engine metrics key, metric name, kind, help)
     ("live", "specbuild_live_requests", GAUGE, "Requests registered and not yet answered in full"),
     ("spec_cutoff_steps_total", "specbuild_spec_cutoff_steps_total", COUNTER,
      "Steps with more sequences than the policy's max_concurrency (no drafting by default)"),
+    ("steps_total", "specbuild_steps_total", COUNTER, "Engine steps (rounds) that decoded at least one sequence"),
+    ("sequence_steps_total", "specbuild_sequence_steps_total", COUNTER,
+     "Decode steps summed over their sequences (a round of 4 sequences counts 4): draft tokens / this = the "
+     "mean K the engine drafted per sequence and step"),
+    ("policy_max_concurrency", "specbuild_policy_max_concurrency", GAUGE,
+     "The policy's cut-off: no drafting by default in steps with more sequences (-1 = no cut-off)"),
     ("draft_cost_ratio", "specbuild_draft_cost_ratio", GAUGE,
      "c = draft step / plain target step that adaptive K prices K with, at the latest step's concurrency "
      "(measured while serving, else the build's calibration)"),
