@@ -1,8 +1,7 @@
 """A TensorRT-LLM deployment larger than one node: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1).
 
 One group = `ceil(GPUs / --gpus-per-node)` pods (leader = worker index 0), each asking for `--gpus-per-node`
-GPUs. The wiring is the one upstream documents for Triton + TensorRT-LLM on LWS (kubernetes-sigs/lws
-docs/examples/tensorrt-llm, adapted from triton-inference-server/tutorials
+GPUs. The wiring is the one upstream documents for Triton + TensorRT-LLM on LWS (https://github.com/kubernetes-sigs/lws/tree/main/docs/examples/tensorrt-llm, adapted from triton-inference-server/tutorials
 Deployment/Kubernetes/EKS_Multinode_Triton_TRTLLM): the leader runs `mpirun --host <pod>:<slots>,...` with
 `-mca plm_rsh_agent kubessh`, a script that starts OpenMPI's daemon in the worker pods through `kubectl exec`
 (so the leader's service account may exec into its own pods: rbac.yaml), workers only wait. Rank 0 serves

@@ -113,7 +113,9 @@ def missing(where: str, base: Path, text: str, markdown: bool) -> list[str]:
     """What `text` names that is not there: paths, then modules."""
     ticked = {t.rstrip(".,:;)") for t in BACKTICK.findall(text)}
     links = {t for t in LINK.findall(text) if not t.startswith(("http:", "https:", "mailto:"))} if markdown else set()
-    bare = {t.rstrip(".,:;)") for t in BARE.findall(text)}
+    # a bare path that ends a line in "-" is one that help text wrapped at a hyphen (click), not a name
+    bare = {m.group(1).rstrip(".,:;)") for m in BARE.finditer(text)
+            if not (m.group(1).endswith("-") and text[m.end():m.end() + 1] in ("\n", ""))}
     out = []
     for tok in sorted(ticked | links | bare):
         if tok.startswith("specbuild.") or _is_output(tok) or not _looks_like_path(
