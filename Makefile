@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 WORKDIR ?= specbuild-work
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-anchor bench-quick llamacpp clean help
+.PHONY: setup test test-fast demo bench bench-anchor bench-quick llamacpp verify-llamacpp clean help
 
 help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
@@ -13,6 +13,7 @@ help:
 	@echo "make test    - the full offline test suite (real tokenizers, models, tritonserver, locust)"
 	@echo "make bench   - engine benchmarks -> bench/results/{engine,served,adaptive}.json (bench-quick: short)"
 	@echo "make bench-anchor - the engine beside llama.cpp, plain and speculative (needs make llamacpp)"
+	@echo "make verify-llamacpp - specbuild verify --api openai-completions on llama-server, draft vs none (needs make llamacpp)"
 	@echo "make llamacpp - build llama.cpp (llama-server, llama-bench, ...) once into the cache (~8 min; optional)"
 
 $(BIN)/python:
@@ -45,6 +46,11 @@ bench:
 # llama.cpp beside the engine on the same machine, model and precisions (needs `make llamacpp` once)
 bench-anchor:
 	$(BIN)/python bench/bench_anchor.py --runs 3 --out bench/results/anchor.json
+
+# specbuild verify --api openai-completions against llama-server with its draft vs without, and a control (no draft
+# on both sides); needs `make llamacpp` once (docs/loadtests.md, "Verify an OpenAI-compatible server")
+verify-llamacpp:
+	$(BIN)/python bench/verify_llamacpp.py --out bench/results/verify-llamacpp
 
 bench-quick:
 	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json
