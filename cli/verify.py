@@ -99,14 +99,14 @@ def verify_command(workdir, api, url, reference_url, model, prompts, prompts_fil
                              "verify compares the server as deployed against --reference-url.")
         if not url:
             raise UsageError(f"--api {api} needs --url: the speculative server's base URL (e.g. http://127.0.0.1:8081).")
+    endpoint = url.rstrip("/") if wire.is_openai(api) else _endpoint(workdir, url)
     tok = _tokenizer(workdir, tokenizer)
     chosen = list(prompts) + (load_prompts(Path(prompts_file)) if prompts_file else [])
     template = tok.chat if chat else (lambda p: p)
     if wire.is_openai(api):
-        endpoint, k = url.rstrip("/"), None
+        k = None
         generate = openai_generate_fn(api, endpoint, reference_url.rstrip("/"), model, template, timeout)
     else:
-        endpoint = _endpoint(workdir, url)
         k = None if reference_url else (num_draft_tokens or 4)
         generate = kserve_generate_fn(workdir, endpoint, reference_url, model or contract.SPECULATIVE_MODEL,
                                       resolve_tokenizer(tokenizer, workdir), template)
