@@ -50,7 +50,8 @@ bench-anchor:
 # specbuild verify --api openai-completions against llama-server with its draft vs without, and a control (no draft
 # on both sides); needs `make llamacpp` once (docs/loadtests.md, "Verify an OpenAI-compatible server")
 verify-llamacpp:
-	$(BIN)/python bench/verify_llamacpp.py --out bench/results/verify-llamacpp
+	$(BIN)/python bench/verify_llamacpp.py --out bench/results/verify-llamacpp/chat
+	$(BIN)/python bench/verify_llamacpp.py --raw --out bench/results/verify-llamacpp/raw
 
 bench-quick:
 	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json

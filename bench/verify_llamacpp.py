@@ -6,11 +6,11 @@ speculative server nobody here wrote, and a control.
   control                   llama-server without a draft against a second one without a draft (must pass)
 
 Both greedy (temperature 0, top_k 1, a seed), the same max_tokens, the same prompts, each prompt in the target's
-chat template; optionally the distribution test over seeds (--seeds). Needs `make llamacpp` (build 11434). The
-servers run one thread each on 127.0.0.1 (see docs/loadtests.md, "Threads on a shared machine") and are stopped by
-their own PIDs. Writes OUT/{speculative,control}.json (verify's reports), OUT/*.log and OUT/summary.json.
+chat template (--raw: as it is, a plain completion); optionally the distribution test over seeds (--seeds). One
+request at a time by default (--concurrency). Needs `make llamacpp` (build 11434). The servers run one thread each
+on 127.0.0.1 (see docs/loadtests.md, "Threads on a shared machine") and are stopped by their own PIDs. Writes OUT/{speculative,control}.json (verify's reports), OUT/*.log and OUT/summary.json.
 
-    .venv/bin/python bench/verify_llamacpp.py --out bench/results/verify-llamacpp
+    .venv/bin/python bench/verify_llamacpp.py --raw --out bench/results/verify-llamacpp
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def run_verify(spec_url: str, ref_url: str, out: Path, args) -> dict:
     argv = [sys.executable, "-m", "specbuild.cli.main", "verify", "--api", "openai-completions", "--url", spec_url,
             "--reference-url", ref_url, "--tokenizer", str(llamacpp.tokenizer_dir()), "--max-tokens",
             str(args.tokens), "--seeds", str(args.seeds), "--positions", str(args.positions),
-            "--concurrency", str(args.concurrency), "--out", str(out)]
+            "--concurrency", str(args.concurrency), "--out", str(out)] + (["--raw"] if args.raw else [])
     for p in PROMPTS[:args.prompts]:
         argv += ["--prompt", p]
     t0 = time.monotonic()
@@ -61,9 +61,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     ap.add_argument("--seeds", type=int, default=0, help="samples per side for the distribution test (0: greedy only)")
     ap.add_argument("--positions", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=8, help="verify's requests in flight (default: %(default)s)")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="verify's requests in flight (default: %(default)s: the target never batches two requests "
+                         "together, so a divergence is the draft's doing, not the server's batch variance)")
     ap.add_argument("--parallel", type=int, default=4, help="llama-server -np: its slots (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--raw", action="store_true", help="send the prompts as they are (default: in the chat template)")
     ap.add_argument("--no-control", action="store_true", help="skip the control (no draft on both sides)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/verify-llamacpp"))
     args = ap.parse_args()
@@ -79,7 +82,8 @@ def main() -> None:
         servers["control"] = llamacpp.LlamaServer(target=f32, log=args.out / "control.log", **common)
     summary = {"llamacpp": json.loads((llamacpp.install_dir() / "BUILD.json").read_text()).get("package"),
                "target": f32.name, "draft": q4.name, "k": args.k, "max_tokens": args.tokens,
-               "prompts": list(PROMPTS[:args.prompts]), "seeds": args.seeds, "concurrency": args.concurrency,
+               "prompts": list(PROMPTS[:args.prompts]), "seeds": args.seeds, "raw": args.raw,
+               "concurrency": args.concurrency,
                "parallel": args.parallel, "threads": args.threads,
                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": {}}
     try:

@@ -56,8 +56,10 @@ def _verify(spec, ref, out, *extra):
 
 
 def test_control_without_a_draft_on_both_sides_passes(servers, tmp_path):
+    # One request at a time: with several in flight, llama-server batches them, and two servers without a draft
+    # were seen to part once in three 10-prompt runs (docs/loadtests.md): that is the server's batch variance.
     r, report = _verify(servers["control"], servers["reference"], tmp_path / "control.json", "--max-tokens", "32",
-                        "--seeds", "50", "--positions", "2", "--concurrency", "2")
+                        "--seeds", "50", "--positions", "2", "--concurrency", "1")
     assert r.exit_code == 0, r.output
     assert report["ok"] is True and report["api"] == "openai-completions" and report["num_draft_tokens"] is None
     assert report["url"] == servers["control"].url and report["reference_url"] == servers["reference"].url
