@@ -82,7 +82,7 @@ def verify_command(workdir, api, url, reference_url, model, prompts, prompts_fil
       specbuild verify --prompt "def fib(n):" --seeds 0
       specbuild verify --reference-url http://127.0.0.1:8010 --seeds 0   # llmapi: off is another server
       specbuild verify --api openai-completions --url http://127.0.0.1:8081 \\
-          --reference-url http://127.0.0.1:8080 --tokenizer ./target    # trtllm-serve, vLLM, llama-server
+          --reference-url http://127.0.0.1:8080 --tokenizer ./target --concurrency 1   # trtllm-serve, vLLM, ...
     """
     from specbuild.core import wire
     from specbuild.pipeline.loadtest import resolve_tokenizer
@@ -117,8 +117,9 @@ def verify_command(workdir, api, url, reference_url, model, prompts, prompts_fil
                     progress=_progress_bars(seeds), api=api, url=endpoint, reference_url=reference_url)
     _print_report(report)
     if not report.ok:
-        raise click.ClickException("speculation changed the output; see the report above "
-                                   f"({out or workdir / 'verify' / 'report.json'}).")
+        what = ("the speculative server's output differs from the reference's" if report.reference_url
+                else "speculation changed the output")
+        raise click.ClickException(f"{what}; see the report above ({out or workdir / 'verify' / 'report.json'}).")
     click.echo("verify: OK — speculation is lossless on these prompts.")
 
 
