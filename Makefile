@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 WORKDIR ?= specbuild-work
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-anchor bench-ramp bench-quick llamacpp clean help
+.PHONY: setup test test-fast demo bench bench-anchor bench-ramp bench-quick llamacpp verify-llamacpp clean help
 
 help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
@@ -16,6 +16,7 @@ help:
 	@echo "make bench   - engine benchmarks -> bench/results/{engine,served,adaptive}.json (bench-quick: short)"
 	@echo "make bench-ramp - load 1 -> 8 -> 1 across the policy's cut-off, and policy-off vs off -> bench/results/ramp.json"
 	@echo "make bench-anchor - the engine beside llama.cpp, plain and speculative (needs make llamacpp)"
+	@echo "make verify-llamacpp - specbuild verify --api openai-completions on llama-server, draft vs none (needs make llamacpp)"
 	@echo "make llamacpp - build llama.cpp (llama-server, llama-bench, ...) once into the cache (~8 min; optional)"
 
 $(BIN)/python:
@@ -51,6 +52,12 @@ bench-anchor:
 
 bench-ramp:
 	$(BIN)/python bench/bench_ramp.py --out bench/results/ramp.json
+
+# specbuild verify --api openai-completions against llama-server with its draft vs without, and a control (no draft
+# on both sides); needs `make llamacpp` once (docs/loadtests.md, "Verify an OpenAI-compatible server")
+verify-llamacpp:
+	$(BIN)/python bench/verify_llamacpp.py --out bench/results/verify-llamacpp/chat
+	$(BIN)/python bench/verify_llamacpp.py --raw --out bench/results/verify-llamacpp/raw
 
 bench-quick:
 	$(BIN)/python bench/bench_engine.py --quick --out bench/results/engine.json

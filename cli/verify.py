@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from specbuild.core import contract
-from specbuild.cli.options import workdir_option
+from specbuild.cli.options import api_option, workdir_option
 from specbuild.core.errors import UsageError
 
 
@@ -31,19 +31,24 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
 
 @click.command("verify")
 @workdir_option
+@api_option
 @click.option("--url", default=None,
-              help="HTTP endpoint. Default: the server started by `specbuild serve` in --workdir.")
+              help="HTTP endpoint (with --api openai-*: the speculative server's base URL). Default: the server "
+                   "started by `specbuild serve` in --workdir.")
 @click.option("--reference-url", default=None,
               help="HTTP endpoint of the same target served without speculation: the K = 0 side goes there and no "
                    "request carries num_draft_tokens (for deployments whose speculation is fixed when deployed: "
-                   "TensorRT-LLM's llmapi path). Default: K = 0 on --url.")
-@click.option("--model", default=contract.SPECULATIVE_MODEL, show_default=True,
-              help="Client-facing model that takes num_draft_tokens.")
+                   "TensorRT-LLM's llmapi path, and every OpenAI-compatible server, where it is required). "
+                   "Default: K = 0 on --url.")
+@click.option("--model", default=None,
+              help=f"KServe: the client-facing model that takes num_draft_tokens (default {contract.SPECULATIVE_MODEL}); "
+                   "--api openai-*: the request's model field (default: each server's first of /v1/models).")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt to check (repeatable). Default: a built-in set.")
 @click.option("--prompts", "prompts_file", type=click.Path(resolve_path=True, dir_okay=False), default=None,
               help="File of prompts: JSON list, JSONL with a 'prompt' field, or one per line.")
-@click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1), default=4, show_default=True,
-              help="K for the speculative side; compared against K = 0.")
+@click.option("--num-draft-tokens", "-k", type=click.IntRange(min=1), default=None,
+              help="K for the speculative side; compared against K = 0 (KServe only; with --reference-url or an "
+                   "OpenAI server the speculative side runs as deployed). [default: 4]")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens per greedy comparison.")
 @click.option("--seeds", type=click.IntRange(min=0), default=200, show_default=True,
@@ -58,13 +63,17 @@ def _tokenizer(workdir: Path, tokenizer: str | None):
               help="Requests in flight.")
 @click.option("--tokenizer", default=None, help="Tokenizer dir for re-tokenizing outputs. Default: from --workdir.")
 @click.option("--chat-template/--raw", "chat", default=True, show_default=True,
-              help="Send each prompt as a user turn in the target's chat template (instruct models), or raw.")
+              help="Send each prompt as a user turn in the target's chat template (instruct models), or raw "
+                   "(--api openai-chat: always a user message, templated by the server).")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="Seconds to wait for one answer (--api openai-*).")
 @click.option("--out", type=click.Path(resolve_path=True, dir_okay=False), default=None,
               help="Where to write the JSON report. Default: <workdir>/verify/report.json.")
-def verify_command(workdir, url, reference_url, model, prompts, prompts_file, num_draft_tokens, max_tokens, seeds,
-                   positions, temperature, alpha, concurrency, tokenizer, chat, out):
-    """Check that speculation changes nothing: greedy outputs token-identical with K and without, and the
-    sampled distribution of the first positions unchanged. Exits 1 on any drift.
+def verify_command(workdir, api, url, reference_url, model, prompts, prompts_file, num_draft_tokens, max_tokens,
+                   seeds, positions, temperature, alpha, concurrency, tokenizer, chat, timeout, out):
+    """Check that speculation changes nothing: greedy outputs identical with K and without (or against a
+    reference server without speculation), and the sampled distribution of the first positions unchanged.
+    Exits 1 on any drift, saying where a text diverges.
 
     \b
     Example:
@@ -72,52 +81,46 @@ def verify_command(workdir, url, reference_url, model, prompts, prompts_file, nu
       specbuild verify --url http://gpu-box:8000 --tokenizer ./llama-3.1-8b -k 4 --seeds 400
       specbuild verify --prompt "def fib(n):" --seeds 0
       specbuild verify --reference-url http://127.0.0.1:8010 --seeds 0   # llmapi: off is another server
+      specbuild verify --api openai-completions --url http://127.0.0.1:8081 \\
+          --reference-url http://127.0.0.1:8080 --tokenizer ./target --concurrency 1   # trtllm-serve, vLLM, ...
     """
-    from specbuild.pipeline.verify import DEFAULT_PROMPTS, load_prompts, verify
+    from specbuild.core import wire
+    from specbuild.pipeline.loadtest import resolve_tokenizer
+    from specbuild.pipeline.verify import (DEFAULT_PROMPTS, OPENAI_NEEDS_REFERENCE, kserve_generate_fn, load_prompts,
+                                           openai_generate_fn, verify)
 
     workdir = Path(workdir)
-    endpoint = _endpoint(workdir, url)
+    if wire.is_openai(api):
+        if not reference_url:
+            raise UsageError(OPENAI_NEEDS_REFERENCE.format(api=api))
+        if num_draft_tokens is not None:
+            raise UsageError(f"--num-draft-tokens: an OpenAI-compatible server's K is fixed when it starts "
+                             f"(llama-server --spec-draft-n-max, trtllm-serve's speculative_config); with --api {api} "
+                             "verify compares the server as deployed against --reference-url.")
+        if not url:
+            raise UsageError(f"--api {api} needs --url: the speculative server's base URL (e.g. http://127.0.0.1:8081).")
+    endpoint = url.rstrip("/") if wire.is_openai(api) else _endpoint(workdir, url)
     tok = _tokenizer(workdir, tokenizer)
     chosen = list(prompts) + (load_prompts(Path(prompts_file)) if prompts_file else [])
-    from specbuild.pipeline.client import client_for
-    from specbuild.pipeline.loadtest import resolve_tokenizer
+    template = tok.chat if chat else (lambda p: p)
+    if wire.is_openai(api):
+        k = None
+        generate = openai_generate_fn(api, endpoint, reference_url.rstrip("/"), model, template, timeout)
+    else:
+        k = None if reference_url else (num_draft_tokens or 4)
+        generate = kserve_generate_fn(workdir, endpoint, reference_url, model or contract.SPECULATIVE_MODEL,
+                                      resolve_tokenizer(tokenizer, workdir), template)
 
-    generate = _generate_fn(workdir, endpoint, reference_url, model, resolve_tokenizer(tokenizer, workdir),
-                            tok.chat if chat else (lambda p: p))
-
-    report = verify(generate, tok.ids, prompts=chosen or list(DEFAULT_PROMPTS), num_draft_tokens=num_draft_tokens,
+    report = verify(generate, tok.ids, prompts=chosen or list(DEFAULT_PROMPTS), num_draft_tokens=k,
                     max_tokens=max_tokens, sampling_seeds=seeds, positions=positions, temperature=temperature,
                     alpha=alpha, concurrency=concurrency, out=Path(out) if out else workdir / "verify" / "report.json",
-                    progress=_progress_bars(seeds))
-    _print_report(report, num_draft_tokens)
+                    progress=_progress_bars(seeds), api=api, url=endpoint, reference_url=reference_url)
+    _print_report(report)
     if not report.ok:
-        raise click.ClickException("speculation changed the output; see the report above "
-                                   f"({out or workdir / 'verify' / 'report.json'}).")
+        what = ("the speculative server's output differs from the reference's" if report.reference_url
+                else "speculation changed the output")
+        raise click.ClickException(f"{what}; see the report above ({out or workdir / 'verify' / 'report.json'}).")
     click.echo("verify: OK — speculation is lossless on these prompts.")
-
-
-def _generate_fn(workdir: Path, endpoint: str, reference_url: str | None, model: str, tokenizer_dir, template):
-    """generate(prompt, num_draft_tokens=K, ...) -> text: K > 0 on `endpoint`, K = 0 there too, or on
-    `reference_url` (then num_draft_tokens is never sent: both servers run their deployed policy; the reference
-    is taken to be the same kind of deployment, with the same client model)."""
-    from specbuild.pipeline.client import Client, client_for
-
-    client = client_for(workdir, endpoint, model=model, tokenizer_dir=tokenizer_dir)
-    if reference_url is None and client.target == contract.LLMAPI_TARGET:
-        raise UsageError("this deployment is TensorRT-LLM's llmapi path: its speculation is fixed by model.yaml's "
-                         "speculative_config, so K = 0 cannot be asked per request. Serve the target a second time "
-                         "without speculative_config and pass it as --reference-url.")
-    reference = None if reference_url is None else \
-        Client(url=reference_url, model=client.model, target=client.target, echo=client.echo)
-
-    def generate(prompt, *, num_draft_tokens, max_tokens, temperature, top_k, top_p, seed):
-        params = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k or None,
-                      top_p=top_p if top_p < 1 else None, seed=seed)
-        if reference is None:
-            return client.generate(template(prompt), num_draft_tokens=num_draft_tokens, **params).text
-        return (client if num_draft_tokens else reference).generate(template(prompt), **params).text
-
-    return generate
 
 
 def _progress_bars(seeds: int):
@@ -138,12 +141,19 @@ def _progress_bars(seeds: int):
     return progress
 
 
-def _print_report(report, num_draft_tokens: int) -> None:
+def _print_report(report) -> None:
+    if report.reference_url:
+        click.echo(f"speculative {report.url} vs reference {report.reference_url} ({report.api})")
+    spec, plain = ("speculative", "reference") if report.num_draft_tokens is None else \
+        (f"with K={report.num_draft_tokens}", "without")
+    width = max(len(spec), len(plain))
     for case in report.greedy:
         mark = "identical" if case.identical else f"DIVERGES at token {case.first_divergence}"
-        click.echo(f"greedy  K={num_draft_tokens} vs 0  {mark:<24} {case.tokens_plain:>4} tok  {case.prompt[:50]!r}")
+        click.echo(f"greedy  {report.sides}  {mark:<24} {case.tokens_plain:>4} tok  {case.prompt[:50]!r}")
         if not case.identical:
-            click.echo(f"        {case.context}")
+            click.echo(f"        at character {case.first_divergence_char}, after ...{case.common_tail!r}")
+            click.echo(f"        {spec:<{width}}: {case.spec_continuation!r}")
+            click.echo(f"        {plain:<{width}}: {case.plain_continuation!r}")
     if report.sampling:
         s = report.sampling
         worst = min(s.positions, key=lambda t: t.p_value)

@@ -6,6 +6,9 @@ Speaks the client contract (`specbuild.core.contract`) over Triton's KServe v2 A
 * `generate_stream(...)`   HTTP `POST /v2/models/<m>/generate_stream` (SSE; stream=true)
 * `grpc_stream(...)`       gRPC bidirectional streaming (tritonclient.grpc)
 
+and, as `OpenAIClient`, to any OpenAI-compatible server (`trtllm-serve`, vLLM, SGLang, llama.cpp's
+`llama-server`): `POST /v1/completions` or `/v1/chat/completions`, streaming (SSE) or not.
+
 Each returns a `Generation`: the text, the streamed pieces with their arrival times (seconds since
 the request was sent), and the perf metrics when `return_perf_metrics` was asked for. Server-side
 refusals raise `RequestError` carrying Triton's message. What goes over the wire (bodies, gRPC datatypes,
@@ -56,6 +59,8 @@ class Generation:
     total_accepted_draft_tokens: int | None = None
     total_draft_tokens: int | None = None
     sent_at: float = 0.0                                   # time.perf_counter() at send
+    usage: dict[str, int] = field(default_factory=dict)    # OpenAI servers: prompt_tokens, completion_tokens
+    finish_reason: str | None = None                       # OpenAI servers: "length", "stop", ...
 
     @property
     def ttft(self) -> float | None:
@@ -68,6 +73,8 @@ class Generation:
             self.text += event.text
         for k, v in event.perf.items():   # cumulative per request: the last value wins
             setattr(self, k, v if k == "acceptance_rate" else int(v))
+        self.usage.update(event.usage)
+        self.finish_reason = event.finish_reason or self.finish_reason
 
 
 class Client:
@@ -201,6 +208,81 @@ class Client:
         import httpx
 
         return parse_metrics(httpx.get(metrics_url, timeout=10).text)
+
+
+class OpenAIClient:
+    """An OpenAI-compatible server: `api` is "openai-completions" (`/v1/completions`) or "openai-chat"
+    (`/v1/chat/completions`: the prompt is one user message, the server applies its chat template). Request
+    fields are the contract's names (`wire.openai_fields` maps them; `None` values are left out, so the server's
+    default applies); `model` is the request's `model` field (`connect` finds it in `/v1/models`)."""
+
+    def __init__(self, url: str, api: str, model: str | None, timeout: float = 300.0):
+        if not wire.is_openai(api):
+            raise ValueError(f"OpenAIClient speaks openai-completions or openai-chat, not {api!r}")
+        self.url, self.api, self.model, self.timeout = url.rstrip("/"), api, model, timeout
+
+    @classmethod
+    def connect(cls, url: str, api: str, model: str | None = None, timeout: float = 300.0) -> "OpenAIClient":
+        """The server at `url` up and ready, serving `model` (default: the first of its `/v1/models`)."""
+        from specbuild.loadtests.target import preflight_openai
+
+        info = preflight_openai(url.rstrip("/"), model)
+        return cls(url, api, info.name, timeout)
+
+    def request(self, prompt: str, stream: bool, **params: Any) -> tuple[str, dict[str, Any]]:
+        """(URL, JSON body) of one request: `wire.encode` of the fields that are not None."""
+        fields = {k: v for k, v in params.items() if v is not None}
+        path, body = wire.encode(self.api, prompt, fields, model=self.model, stream=stream)
+        return self.url + path, body
+
+    def _refused(self, status: int, text: str) -> RequestError:
+        return RequestError(f"{self.url} ({self.model}): {wire.http_error(status, text)}")
+
+    def generate(self, prompt: str, **params: Any) -> Generation:
+        """One non-streaming request."""
+        import httpx
+
+        url, body = self.request(prompt, False, **params)
+        gen = Generation(sent_at=time.perf_counter())
+        try:
+            resp = httpx.post(url, json=body, timeout=self.timeout)
+        except httpx.HTTPError as e:
+            raise ServerError(f"cannot reach {self.url}: {e}; is the server running?") from e
+        if resp.status_code != 200:
+            raise self._refused(resp.status_code, resp.text)
+        event = wire.parse_body(self.api, resp.content)
+        if event.error:
+            raise RequestError(f"{self.url} ({self.model}): {event.error}")
+        gen._absorb(event, time.perf_counter() - gen.sent_at)
+        gen.seconds = time.perf_counter() - gen.sent_at
+        return gen
+
+    def generate_stream(self, prompt: str, on_chunk: Callable[[str], None] | None = None,
+                        **params: Any) -> Generation:
+        """One streaming request (SSE until `data: [DONE]`); `on_chunk` sees every piece as it arrives."""
+        import httpx
+
+        url, body = self.request(prompt, True, **params)
+        gen = Generation(sent_at=time.perf_counter())
+        try:
+            with httpx.stream("POST", url, json=body, timeout=self.timeout) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise self._refused(resp.status_code, resp.text)
+                for line in resp.iter_lines():
+                    event = wire.parse_line(self.api, line)
+                    if event is None:
+                        continue
+                    if event.error:
+                        raise RequestError(f"{self.url} ({self.model}): {event.error}")
+                    n = len(gen.chunks)
+                    gen._absorb(event, time.perf_counter() - gen.sent_at)
+                    if on_chunk and len(gen.chunks) > n:
+                        on_chunk(gen.chunks[-1])
+        except httpx.HTTPError as e:
+            raise ServerError(f"cannot reach {self.url}: {e}; is the server running?") from e
+        gen.seconds = time.perf_counter() - gen.sent_at
+        return gen
 
 
 def grpc_inputs(body: dict[str, Any], *, target: str = EMBEDDED, model: str | None = None) -> list:
