@@ -254,3 +254,30 @@ def test_every_start_gets_a_new_token(echo_server, tmp_path):
         assert r.status_code == 403                                  # one server's token opens only that server
     finally:
         serve.stop(tmp_path, timeout=20)
+
+
+def test_engine_config_is_readable_by_a_server_of_another_uid(tmp_path):
+    """engine_config.json is written like every other output (0666 & ~umask), not mkstemp's 0600: a server that runs
+    as another uid must read it."""
+    from specbuild.engines.embedded.config import EngineConfig
+
+    old = os.umask(0o022)
+    try:
+        path = EngineConfig(draft="draft").save(tmp_path)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644 and EngineConfig.load(tmp_path).draft == "draft"
+
+
+def test_embedded_deploy_escapes_the_engine_path_in_config_pbtxt(tmp_path):
+    """A backslash or a quote in the engine directory's path survives into the parsed config, unchanged."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from specbuild.engines.embedded.deploy import DEFAULTS, render
+
+    odd = tmp_path / 'we\\nird"dir'          # a backslash before an n: unescaped, a newline
+    odd.mkdir()
+    files = render(odd, {**DEFAULTS, "max_batch_size": 2})
+    cfg = text_format.Parse(files["tensorrt_llm/config.pbtxt"], model_config_pb2.ModelConfig())
+    assert cfg.parameters["engine_dir"].string_value == str(odd.resolve())

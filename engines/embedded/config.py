@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 from specbuild.engines.embedded.errors import EngineLimitError
 from specbuild.core.constants import DTYPES, ENGINE_CONFIG_FILE, PROPOSERS
 from specbuild.core.errors import SourceError
+from specbuild.core.manifest import atomic_write_text
 
 ADAPTIVE = "adaptive"                    # Policy.k value: K chosen per step (adaptive.py)
 ADAPTIVE_K = -1                          # the request-side spelling of adaptive (num_draft_tokens = -1)
@@ -233,14 +233,7 @@ class EngineConfig:
     def save(self, engine_dir: str | os.PathLike) -> Path:
         """Write `engine_config.json` atomically (a temp file renamed over the old one)."""
         path = Path(engine_dir) / ENGINE_CONFIG_FILE
-        fd, tmp = tempfile.mkstemp(prefix=".engine_config.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.to_dict(), indent=2) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")   # mode 0666 & ~umask, like every output
         return path
 
 

@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
-from specbuild.core import contract
+from specbuild.core import contract, pbtxt
 from specbuild.core.errors import ManifestError, UsageError
 from specbuild.core.stage import PlanStep, StageContext, StageResult
 
@@ -80,7 +80,7 @@ def render(engine_dir: Path, options: dict) -> dict[str, str]:
     files = {
         f"{ENGINE_MODEL}/config.pbtxt": Template(_template(f"{ENGINE_MODEL}/config.pbtxt")).substitute(
             common, inputs=_block("input", engine_inputs, optional=True),
-            engine_dir=str(Path(engine_dir).resolve()).replace('"', '\\"'),
+            engine_dir=pbtxt.escape(str(Path(engine_dir).resolve())),
             device=options["device"], threads=int(options["threads"]),
             max_queue_size=options.get("max_queue_size", ""), queue_timeout_s=options.get("queue_timeout_s", ""),
             request_timeout_s=options.get("request_timeout_s", "")),

@@ -58,8 +58,10 @@ def _cpu_id() -> str:
 
 def extension_name() -> str:
     h = hashlib.sha256()
-    for part in (_source().read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_id().encode(),
-                 sys.version.encode()):
+    # the source's path too: ninja's build file names it, so two checkouts sharing one cache would otherwise
+    # rebuild the one extension in turn (each load waiting on the other's build lock)
+    for part in (_source().read_bytes(), str(_source().resolve()).encode(), " ".join(CFLAGS).encode(),
+                 torch.__version__.encode(), _cpu_id().encode(), sys.version.encode()):
         h.update(part)
     return f"specbuild_fused_{h.hexdigest()[:16]}"
 
