@@ -140,16 +140,7 @@ class Client:
                 if resp.status_code != 200:
                     resp.read()
                     raise RequestError(f"{self.model}: {wire.http_error(resp.status_code, resp.text)}")
-                for line in resp.iter_lines():
-                    event = wire.parse_line(wire.KSERVE, line)
-                    if event is None:
-                        continue
-                    if event.error:
-                        raise RequestError(f"{self.model}: {event.error}")
-                    n = len(gen.chunks)
-                    gen._absorb(event, time.perf_counter() - gen.sent_at)
-                    if on_chunk and len(gen.chunks) > n:
-                        on_chunk(gen.chunks[-1])
+                _read_events(resp, wire.KSERVE, gen, on_chunk, where=self.model)
         except httpx.HTTPError as e:
             raise ServerError(f"cannot reach {self.url}: {e}; is the server running (`specbuild status`)?") from e
         gen.seconds = time.perf_counter() - gen.sent_at
@@ -269,20 +260,26 @@ class OpenAIClient:
                 if resp.status_code != 200:
                     resp.read()
                     raise self._refused(resp.status_code, resp.text)
-                for line in resp.iter_lines():
-                    event = wire.parse_line(self.api, line)
-                    if event is None:
-                        continue
-                    if event.error:
-                        raise RequestError(f"{self.url} ({self.model}): {event.error}")
-                    n = len(gen.chunks)
-                    gen._absorb(event, time.perf_counter() - gen.sent_at)
-                    if on_chunk and len(gen.chunks) > n:
-                        on_chunk(gen.chunks[-1])
+                _read_events(resp, self.api, gen, on_chunk, where=f"{self.url} ({self.model})")
         except httpx.HTTPError as e:
             raise ServerError(f"cannot reach {self.url}: {e}; is the server running?") from e
         gen.seconds = time.perf_counter() - gen.sent_at
         return gen
+
+
+def _read_events(resp, api: str, gen: Generation, on_chunk: Callable[[str], None] | None, *, where: str) -> None:
+    """A stream's SSE events into `gen` (each piece with its arrival time), `on_chunk` per new piece; an error
+    event raises RequestError naming `where`."""
+    for line in resp.iter_lines():
+        event = wire.parse_line(api, line)
+        if event is None:
+            continue
+        if event.error:
+            raise RequestError(f"{where}: {event.error}")
+        n = len(gen.chunks)
+        gen._absorb(event, time.perf_counter() - gen.sent_at)
+        if on_chunk and len(gen.chunks) > n:
+            on_chunk(gen.chunks[-1])
 
 
 def grpc_inputs(body: dict[str, Any], *, target: str = EMBEDDED, model: str | None = None) -> list:
