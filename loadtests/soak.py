@@ -826,6 +826,7 @@ def parse_args(argv=None, default_out: Path = Path("soak.json")) -> argparse.Nam
     ap.add_argument("--out", type=Path, default=default_out, help=f"the JSON report (default {default_out})")
     return ap.parse_args(argv)
 
+
 def keep_server_log(soak: Soak, workdir: Path) -> None:
     """Copy this life's tritonserver.log (stubs and engine process included) beside the report: a temporary
     workdir goes at the end, and a restart starts a new log."""
