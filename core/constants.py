@@ -33,6 +33,7 @@ ENGINE_CONFIG_FILE = "engine_config.json"
 # and inference stay open.
 RESTRICTED_APIS = ("shared-memory", "model-config", "model-repository", "statistics", "trace", "logging")
 ADMIN_KEY = "specbuild-admin-token"
+ADMIN_TOKEN_ENV = "SPECBUILD_ADMIN_TOKEN"   # a client's token for a server started from another workdir
 
 
 def restriction_args(value: str) -> list[str]:

@@ -140,7 +140,8 @@ def _model_names(client: httpx.Client, url: str) -> list[str] | str:
     try:
         resp = client.post(f"{url}/v2/repository/index")
         if resp.status_code == 403:    # a restricted repository API (`specbuild serve` restricts it)
-            return "not listed (the repository index needs the server's admin token)"
+            return ("not listed (the repository index needs the server's admin token: run from the workdir "
+                    "that served it, or set SPECBUILD_ADMIN_TOKEN)")
         return sorted({m["name"] for m in resp.json()})
     except Exception:
         return []

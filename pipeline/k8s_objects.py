@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specbuild.core.constants import ADMIN_KEY, restriction_args
+from specbuild.core.constants import ADMIN_KEY, ADMIN_TOKEN_ENV, restriction_args
 
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 MOUNT = "/specbuild"                  # the one mount point: the workdir's copy is MOUNT/work
@@ -22,7 +22,7 @@ AWS_CLI = "amazon/aws-cli:2.22.35"
 # Triton's admin APIs behind the same header as `specbuild serve` (core.constants.RESTRICTED_APIS / ADMIN_KEY),
 # its value from a Secret; health, metadata and inference stay open to the clients the NetworkPolicy lets in.
 ADMIN_HEADER = ADMIN_KEY
-ADMIN_ENV = "SPECBUILD_ADMIN_TOKEN"
+ADMIN_ENV = ADMIN_TOKEN_ENV
 
 
 def labels(name: str, backend: str, component: str = "server") -> dict[str, str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from specbuild.pipeline.deployment import deployment, deployment_max_seq_len, re
 from specbuild.loadtests.settings import parse_compare, parse_settings  # noqa: F401  (public API)
 from specbuild.loadtests.sweep import ENDPOINT_FIELDS, Run, first_at, plan, sweep_summary
 from specbuild.core import machine, wire
+from specbuild.core.constants import ADMIN_KEY, ADMIN_TOKEN_ENV
 from specbuild.core.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
 from specbuild.core.errors import SpecbuildError, UsageError
 from specbuild.core.manifest import Manifest, stage_output, write_manifest
@@ -363,6 +365,8 @@ def open_session(*, tokenizer: str | None, workdir: Path, **kw) -> Session:
     served = read_state(workdir)     # the server `specbuild serve` started here: its admin token opens the config
     if served is not None and served.http_url == str(kw.get("url", "")).rstrip("/"):
         kw.setdefault("admin_headers", served.admin_headers)
+    elif os.environ.get(ADMIN_TOKEN_ENV):   # the token of a server started from another workdir (its server/server.json)
+        kw.setdefault("admin_headers", {ADMIN_KEY: os.environ[ADMIN_TOKEN_ENV]})
     return _session.open_session(tokenizer_dir=d.tokenizer_dir(tokenizer), deployed=d.target,
                                  max_seq_len=d.max_seq_len, **kw)
 

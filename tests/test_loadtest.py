@@ -327,11 +327,16 @@ def test_grpc_streaming_with_distributed_locust(embedded, tmp_path):
     assert len(list((run / "samples").glob("samples-*.jsonl"))) == 2   # one file per worker process
 
 
-def test_bad_inputs_fail_before_any_load(embedded, tmp_path):
+def test_bad_inputs_fail_before_any_load(embedded, tmp_path, monkeypatch):
     out = tmp_path / "report"
     before = _metric(embedded.metrics_url, "nv_inference_request_success", "tensorrt_llm_bls")
-    r = _invoke(_embedded_args(embedded, out, "--model", "nope"))
+    r = _invoke(_embedded_args(embedded, out, "--model", "nope"))     # the server is another workdir's: no token
+    assert r.exit_code == 2 and "model 'nope' does not exist" in r.output and "tensorrt_llm_bls" not in r.output
+    assert "needs the server's admin token" in r.output and "SPECBUILD_ADMIN_TOKEN" in r.output
+    monkeypatch.setenv("SPECBUILD_ADMIN_TOKEN", embedded.info.admin_token)
+    r = _invoke(_embedded_args(embedded, out, "--model", "nope"))     # with its token: the models it serves
     assert r.exit_code == 2 and "model 'nope' does not exist" in r.output and "tensorrt_llm_bls" in r.output
+    monkeypatch.delenv("SPECBUILD_ADMIN_TOKEN")
     r = _invoke(_embedded_args(embedded, out, "--model", "ensemble", "--compare", "num_draft_tokens=0,4"))
     assert r.exit_code == 2 and "has no input(s) ['num_draft_tokens']" in r.output
     assert "--model tensorrt_llm_bls" in r.output
