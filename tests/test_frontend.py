@@ -181,6 +181,16 @@ def test_bounded_queue_and_queue_time_limit(eng):
     fe.close()
 
 
+def _step_until_done(eng, sinks: dict) -> None:
+    """Drive the scheduler by hand (the frontend runs without its engine thread) until every sink has its end."""
+    for _ in range(100):
+        if all(s.done.is_set() for s in sinks.values()):
+            break
+        eng.scheduler.step()
+    for s in sinks.values():
+        assert s.done.wait(WAIT)
+
+
 def test_a_failing_sequence_stops_alone(eng, reference, monkeypatch):
     """NaN logits for one sampled request, and a detokenizer bug in another: each fails with a clear error,
     the batch-level failure is retried per sequence and the greedy requests are untouched."""
@@ -200,12 +210,7 @@ def test_a_failing_sequence_stops_alone(eng, reference, monkeypatch):
     eng.scheduler.step()                    # admit + first step
     seq = eng.scheduler.by_id["good1"]
     seq.detok.add = lambda t: (_ for _ in ()).throw(RuntimeError("detok bug"))
-    for _ in range(100):
-        if all(s.done.is_set() for s in sinks.values()):
-            break
-        eng.scheduler.step()
-    for s in sinks.values():
-        assert s.done.wait(WAIT)
+    _step_until_done(eng, sinks)
     assert sinks["good0"].error is None and sinks["good0"].text == reference[PROMPTS[0]]
     assert sinks["nan"].kind == "internal" and "not finite" in sinks["nan"].error
     assert sinks["good1"].kind == "internal" and "detok bug" in sinks["good1"].error
@@ -224,12 +229,7 @@ def test_an_out_of_vocab_end_id_is_a_400_and_harms_no_other_request(eng, referen
     fe.handle(good(PROMPTS[1], end_id=10 ** 6), sinks["bad"], "bad")
     fe.handle(good(PROMPTS[2], exclude_input_in_output=True), sinks["good1"], "good1")
     fe.handle(good(PROMPTS[3], end_id=-1), sinks["neg"], "neg")
-    for _ in range(100):
-        if all(s.done.is_set() for s in sinks.values()):
-            break
-        eng.scheduler.step()
-    for s in sinks.values():
-        assert s.done.wait(WAIT)
+    _step_until_done(eng, sinks)
     for bad in ("bad", "neg"):
         assert sinks[bad].kind == "invalid" and "end_id" in sinks[bad].error, sinks[bad].error
     assert sinks["good0"].error is None and sinks["good0"].text == reference[PROMPTS[0]]
@@ -249,12 +249,7 @@ def test_a_first_token_that_fails_stops_only_its_request(eng, reference):
     fe.handle(good(PROMPTS[1]), sinks["bad"], "bad")
     fe.handle(good(PROMPTS[2], exclude_input_in_output=True), sinks["good1"], "good1")
     eng.scheduler.by_id["bad"].stop_ids = frozenset({10 ** 6})
-    for _ in range(100):
-        if all(s.done.is_set() for s in sinks.values()):
-            break
-        eng.scheduler.step()
-    for s in sinks.values():
-        assert s.done.wait(WAIT)
+    _step_until_done(eng, sinks)
     assert sinks["bad"].kind == "internal" and "first token" in sinks["bad"].error, sinks["bad"].error
     assert sinks["good0"].error is None and sinks["good0"].text == reference[PROMPTS[0]]
     assert sinks["good1"].error is None and sinks["good1"].text == reference[PROMPTS[2]]
