@@ -32,13 +32,15 @@ count of the second half must not exceed the first half's.
 
 Slowed by a hostile request (`slowed_by_hostile`): the p99 latency of the good requests that overlapped no
 hostile request (and no fault) is the bound, per profile; a good request that overlapped a hostile one and took
-longer is counted, with the cases it overlapped (~1 % of them by chance).
+longer than --slowed-factor (1.5) x that bound is slowed, counted with the cases it overlapped. Those beyond the
+bound itself are reported too (`beyond_p99`; ~1 % by chance, more wherever the machine is merely busier), and the
+median / p90 / highest latency over the bound. A ratio within one run: no machine's speed is built in.
 
 Gate (exit 1, reasons printed): any wrong text, any good request failed, any 5xx from our code (or a stream
 error / dropped connection) to a hostile request, memory not flat, slots not all free or requests still
 live after the drain, no good request completed after the pause, the engine not started again after its
 SIGTERM, a flood request answered other than 400, or more than --slowed-max-fraction of the good requests that
-overlapped a hostile one slowed beyond that p99.
+overlapped a hostile one slowed by it.
 
 Report: bench/results/soak.json (everything, samples included) and soak.png (RSS / threads / slots over time).
 
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -355,23 +358,15 @@ class Soak:
             return
         self._count_hostile(case, label, message, t0)
 
-    def _count_hostile(self, case: str, label: str, message: str, t0: float) -> None:
+    def _count_hostile(self, case: str, label: str, message: str, t0: float, t1: float | None = None) -> None:
         with self.lock:
-            self.hostile_spans.append((t0, self.now(), case))
+            self.hostile_spans.append((t0, self.now() if t1 is None else t1, case))
             self.hostile[case][label] += 1
             self.hostile_examples.setdefault(f"{case} {label}", message[:200])
         self.count("hostile_" + ("bad_ours" if ours_bad(label) else label))
 
     def _send_hostile(self, case: str, model: str, ep: str, prompt: str, n: int) -> tuple[str, str]:
-        content = hostile_body(case, prompt, n, stream=ep == "generate_stream")
-        url = f"{self.base}/v2/models/{model}/{ep}"
-        try:
-            with httpx.stream("POST", url, content=content, headers={"content-type": "application/json"},
-                              timeout=self.args.request_timeout) as r:
-                text = r.read().decode(errors="replace")
-        except (httpx.TimeoutException, httpx.TransportError) as e:
-            return "transport_error", f"{type(e).__name__}: {e}"
-        return classify(r.status_code, text, stream=ep == "generate_stream")
+        return send_hostile(self.base, case, model, ep, prompt, n, self.args.request_timeout)
 
     def _in_fault_window(self, t0: float) -> bool:
         """A request that began before a fault ended (+ --pause-grace) and is answered after it began."""
@@ -484,27 +479,25 @@ class Soak:
 
     def flood(self, n: int, concurrency: int = 16) -> dict:
         """`n` requests of `max_tokens: 0` (each refused: 400) from `concurrency` clients at once, beside the
-        load: cheap invalid requests must not slow the good ones (`slowed_by_hostile`) nor fail any."""
+        load: cheap invalid requests must not slow the good ones (`slowed_by_hostile`) nor fail any. The flood
+        runs in a process of its own: sixteen sending threads in the soak's process would hold the GIL its
+        good users' clients need, and slow the very latencies it is judged by."""
         t0 = self.now()
-        todo = iter(range(n))
-        lock = threading.Lock()
-        rng = random.Random(self.args.seed + 7)
-
-        def client():
-            while True:
-                with lock:
-                    if next(todo, None) is None:
-                        return
-                    model, ep = rng.choice(MODELS), rng.choice(ENDPOINTS)
-                start = self.now()
-                label, message = self._send_hostile("max_tokens_zero", model, ep, PROMPTS[0], 8)
-                self._count_hostile("max_tokens_zero (flood)", label, message, start)
-
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(self.args.request_timeout)
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_flood_process, daemon=True,
+                           args=(self.base, n, concurrency, self.args.seed + 7, self.args.request_timeout,
+                                 self.t_start, PROMPTS[0], queue))
+        proc.start()
+        try:
+            spans = queue.get(timeout=self.args.request_timeout * max(1, n // concurrency + 1) + 60)
+        except Exception as e:  # noqa: BLE001 - a flood that never reports is a gate failure, not a crash
+            spans = [(t0, self.now(), "transport_error", f"the flood process reported nothing: {e}")]
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        for start, end, label, message in spans:
+            self._count_hostile("max_tokens_zero (flood)", label, message, start, end)
         return {"kind": "flood", "at_s": round(t0, 1), "requests": n, "concurrency": concurrency,
                 "took_s": round(self.now() - t0, 1), "by_status": dict(self.hostile["max_tokens_zero (flood)"])}
 
@@ -586,6 +579,54 @@ class Soak:
         self.stub = engine_process(self.info[0].pid)
 
 
+def send_hostile(base: str, case: str, model: str, ep: str, prompt: str, n: int,
+                 timeout: float) -> tuple[str, str]:
+    """One hostile request: its status label (`classify`) and message."""
+    content = hostile_body(case, prompt, n, stream=ep == "generate_stream")
+    try:
+        with httpx.stream("POST", f"{base}/v2/models/{model}/{ep}", content=content,
+                          headers={"content-type": "application/json"}, timeout=timeout) as r:
+            text = r.read().decode(errors="replace")
+    except (httpx.TimeoutException, httpx.TransportError) as e:
+        return "transport_error", f"{type(e).__name__}: {e}"
+    return classify(r.status_code, text, stream=ep == "generate_stream")
+
+
+def _flood_process(base: str, n: int, concurrency: int, seed: int, timeout: float, t_start: float, prompt: str,
+                   queue) -> None:
+    """The flood's own process (`Soak.flood`): `n` `max_tokens_zero` requests from `concurrency` threads; puts
+    [(t0, t1, label, message)] on `queue`, in the soak's seconds (CLOCK_MONOTONIC is one clock for every
+    process of the machine). It runs at nice 10: a real flood comes from another machine, and this client's own
+    CPU (its HTTP and JSON work, not the server's work for it) would otherwise take a share of the cores the
+    server and the good clients run on, and be counted as the server's fault."""
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    todo = iter(range(n))
+    lock = threading.Lock()
+    rng = random.Random(seed)
+    spans: list[tuple] = []
+
+    def client():
+        while True:
+            with lock:
+                if next(todo, None) is None:
+                    return
+                model, ep = rng.choice(MODELS), rng.choice(ENDPOINTS)
+            t0 = time.monotonic() - t_start
+            label, message = send_hostile(base, "max_tokens_zero", model, ep, prompt, 8, timeout)
+            with lock:
+                spans.append((t0, time.monotonic() - t_start, label, message[:200]))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    queue.put(spans)
+
+
 def _answers_generate(base: str, timeout: float) -> bool:
     try:
         r = httpx.post(f"{base}/v2/models/tensorrt_llm_bls/generate", timeout=timeout,
@@ -595,16 +636,20 @@ def _answers_generate(base: str, timeout: float) -> bool:
     return r.status_code == 200
 
 
-def slowed_by_hostile(good: list[tuple], hostile: list[tuple], windows: list[dict], grace: float) -> dict:
-    """Good requests slowed beyond their p99 by a hostile one: the p99 of the good requests (chat and batch
-    apart) that overlapped no hostile request and no fault is the bound; a good request that overlapped a
-    hostile one and took longer than that bound is counted (with the hostile cases it overlapped). About 1 %
-    of them exceed it by chance: `expected` says how many."""
+def slowed_by_hostile(good: list[tuple], hostile: list[tuple], windows: list[dict], grace: float,
+                      factor: float = 1.5) -> dict:
+    """Good requests slowed by a hostile one: the p99 of the good requests (chat and batch apart) that
+    overlapped no hostile request and no fault is the bound; a good request that overlapped a hostile one and
+    took longer than `factor` x that bound is `slowed` (with the hostile cases it overlapped). `beyond_p99`
+    counts those above the bound itself (about 1 % by chance: `expected`; more where the load is only busier),
+    and `ratio` gives the median, p90 and highest latency / bound of the overlapping ones."""
     def in_fault(t0, t1):
         return any(t0 <= w["end"] + grace and t1 >= w["start"] for w in windows if w is not None)
 
     hostile = sorted(hostile)
-    out: dict = {"by_profile": {}, "slowed": 0, "overlapping": 0, "expected": 0.0, "by_case": {}, "examples": []}
+    out: dict = {"factor": factor, "by_profile": {}, "slowed": 0, "beyond_p99": 0, "overlapping": 0,
+                 "expected": 0.0, "by_case": {}, "examples": []}
+    ratios: list[float] = []
     for chat in (True, False):
         spans = [(t0, t1) for t0, t1, c in good if c == chat and not in_fault(t0, t1)]
         over = {sp: [case for h0, h1, case in hostile if h0 < sp[1] and h1 > sp[0]] for sp in spans}
@@ -613,21 +658,27 @@ def slowed_by_hostile(good: list[tuple], hostile: list[tuple], windows: list[dic
             continue
         p99 = base[min(len(base) - 1, int(0.99 * len(base)))]
         hit = {sp: cases for sp, cases in over.items() if cases}
-        slow = {sp: cases for sp, cases in hit.items() if sp[1] - sp[0] > p99}
+        beyond = {sp: cases for sp, cases in hit.items() if sp[1] - sp[0] > p99}
+        slow = {sp: cases for sp, cases in beyond.items() if sp[1] - sp[0] > factor * p99}
+        ratios += [(t1 - t0) / p99 for t0, t1 in hit] if p99 > 0 else []
         name = "chat" if chat else "batch"
         out["by_profile"][name] = {"p99_alone_s": round(p99, 3), "alone": len(base), "overlapping": len(hit),
-                                   "slowed": len(slow)}
+                                   "beyond_p99": len(beyond), "slowed": len(slow)}
         out["slowed"] += len(slow)
+        out["beyond_p99"] += len(beyond)
         out["overlapping"] += len(hit)
         out["expected"] += 0.01 * len(hit)
         for (t0, t1), cases in slow.items():
             for case in set(cases):
                 out["by_case"][case] = out["by_case"].get(case, 0) + 1
-            if len(out["examples"]) < 10:
-                out["examples"].append({"profile": name, "t0": round(t0, 2), "latency_s": round(t1 - t0, 3),
-                                        "p99_alone_s": round(p99, 3), "hostile": sorted(set(cases))[:5]})
+        for (t0, t1), cases in sorted(beyond.items(), key=lambda kv: kv[0][0] - kv[0][1])[:10 - len(out["examples"])]:
+            out["examples"].append({"profile": name, "t0": round(t0, 2), "latency_s": round(t1 - t0, 3),
+                                    "p99_alone_s": round(p99, 3), "hostile": sorted(set(cases))[:5]})
     out["expected"] = round(out["expected"], 1)
     out["fraction"] = round(out["slowed"] / out["overlapping"], 4) if out["overlapping"] else 0.0
+    ratios.sort()
+    out["ratio"] = ({"p50": round(ratios[len(ratios) // 2], 2), "p90": round(ratios[int(0.9 * len(ratios))], 2),
+                     "max": round(ratios[-1], 2)} if ratios else None)
     return out
 
 
@@ -759,8 +810,9 @@ def gate(report: dict, args) -> dict:
     slow = report.get("slowed_by_hostile") or {}
     if slow.get("overlapping") and slow["slowed"] > max(3, args.slowed_max_fraction * slow["overlapping"]):
         reasons.append(f"{slow['slowed']} of {slow['overlapping']} good requests that overlapped a hostile one took "
-                       f"longer than the p99 of those that did not (> {args.slowed_max_fraction:g}; by case "
-                       f"{slow['by_case']})")
+                       f"longer than {slow.get('factor', args.slowed_factor):g} x the p99 of those that did not "
+                       f"(> {args.slowed_max_fraction:g}; by case {slow['by_case']}; latency / p99 of the "
+                       f"overlapping ones: {slow.get('ratio')})")
     probe = report["abandoned"].get("probe")
     if probe is not None:
         if probe["all_free_after_s"] is None:
@@ -808,9 +860,12 @@ def parse_args(argv=None, default_out: Path = Path("soak.json")) -> argparse.Nam
     ap.add_argument("--term-at", type=float, default=0.9,
                     help="SIGTERM the engine process at this fraction of the duration (0 = never; default 0.9: "
                          "the engine it starts is a server life too short for the memory verdict)")
+    ap.add_argument("--slowed-factor", type=float, default=1.5,
+                    help="a good request that overlapped a hostile one is slowed by it when it took longer than "
+                         "this many times the p99 of those that overlapped none (default 1.5)")
     ap.add_argument("--slowed-max-fraction", type=float, default=0.05,
-                    help="largest fraction of the good requests that overlapped a hostile one and took longer "
-                         "than the p99 of those that overlapped none (default 0.05; ~0.01 by chance)")
+                    help="largest fraction of the good requests that overlapped a hostile one and were slowed "
+                         "by it (default 0.05)")
     ap.add_argument("--sample-interval", type=float, default=1.0, help="seconds between RSS / metrics samples")
     ap.add_argument("--warmup", type=float, default=60.0,
                     help="seconds of each server life excluded from the memory verdict (at most 40%% of the life)")
@@ -956,7 +1011,8 @@ def build_report(soak: Soak, args, workdir: Path, one_by_one: dict, faults: list
         "hostile_examples": dict(sorted(soak.hostile_examples.items())),
         "faults": faults, "after_pause": soak.after_pause, "after_term": soak.after_term, "abandoned": abandoned,
         "slowed_by_hostile": slowed_by_hostile(soak.good_spans, soak.hostile_spans,
-                                               [soak.pause, *soak.windows], args.pause_grace),
+                                               [soak.pause, *soak.windows], args.pause_grace,
+                                               args.slowed_factor),
         "slots_total": total, "memory": memory, "end": end, "samples": soak.samples,
     }
 

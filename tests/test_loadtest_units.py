@@ -476,18 +476,23 @@ def test_silences_find_the_gap_with_requests_waiting_and_ignore_idle_time():
 
 def test_the_soak_counts_good_requests_slowed_beyond_their_p99_by_a_hostile_one():
     """`slowed_by_hostile`: the bound is the p99 of the good requests that overlapped no hostile request and
-    no fault; a good request that overlapped a hostile one and took longer is counted with its case, and the
-    gate fails when more than --slowed-max-fraction of the overlapping ones were."""
+    no fault; a good request that overlapped a hostile one and took longer than --slowed-factor x the bound is
+    slowed, counted with its case (one above the bound alone is only `beyond_p99`), and the gate fails when
+    more than --slowed-max-fraction of the overlapping ones were."""
     from specbuild.loadtests import soak
 
     good = [(float(i), i + 0.5 + (i % 10) * 0.01, True) for i in range(300)]       # alone: 0.50-0.59 s
-    good += [(1000.0, 1003.0, True), (2000.0, 2000.52, True), (3000.0, 3009.0, True)]
+    good += [(1000.0, 1003.0, True), (2000.0, 2000.52, True), (3000.0, 3009.0, True), (4000.0, 4000.8, True)]
     hostile = [(1000.5, 1000.6, "stop_words_2m"), (2000.1, 2000.2, "max_tokens_zero"),
-               (3000.1, 3000.2, "max_tokens_zero")]
+               (3000.1, 3000.2, "max_tokens_zero"), (4000.1, 4000.2, "max_tokens_zero (flood)")]
     pause = {"start": 2999.0, "end": 3010.0}                  # the third one overlapped a fault: not judged
-    got = soak.slowed_by_hostile(good, hostile, [None, pause], grace=1.0)
-    assert got["slowed"] == 1 and got["overlapping"] == 2 and got["by_case"] == {"stop_words_2m": 1}
+    got = soak.slowed_by_hostile(good, hostile, [None, pause], grace=1.0, factor=1.5)
+    assert got["overlapping"] == 3 and got["beyond_p99"] == 2                # 3.0 s and 0.8 s > 0.59 s
+    assert got["slowed"] == 1 and got["by_case"] == {"stop_words_2m": 1}     # 0.8 s < 1.5 x 0.59 s
     assert got["by_profile"]["chat"]["p99_alone_s"] == 0.59 and got["examples"][0]["latency_s"] == 3.0
+    assert got["ratio"]["max"] == round(3.0 / 0.59, 2) and got["ratio"]["p50"] == round(0.8 / 0.59, 2)
+    tight = soak.slowed_by_hostile(good, hostile, [None, pause], grace=1.0, factor=1.0)
+    assert tight["slowed"] == 2 and tight["by_case"] == {"stop_words_2m": 1, "max_tokens_zero (flood)": 1}
     args = soak.parse_args([])
     report = {"server_gone": [], "good_wrong_text": 0, "good_failed": 0, "hostile_by_case": {},
               "hostile_one_by_one": {}, "memory": [], "end": {"live": 0, "slots_free": 8}, "slots_total": 8,
