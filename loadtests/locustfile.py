@@ -17,10 +17,12 @@ or the only process; `-t` is only a backstop.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import sys
+import time
 
 import gevent
 from locust import events, task
@@ -119,6 +121,31 @@ def _start_monitor(environment, **_kw):
     monitor = getattr(environment, "specbuild_monitor", None)
     if monitor is not None and monitor.started is None:
         monitor.start()
+
+
+@events.quitting.add_listener
+def _own_cpu(environment, **_kw):
+    """This process's CPU (user + system) and lifetime -> `<samples_dir>/process-<pid>.json`, so the report can
+    give each worker's client CPU: a worker near one core is a client-bound measurement."""
+    spec = getattr(SpecbuildUser, "spec", None)
+    if spec is None:
+        return
+    import psutil
+    from locust.runners import MasterRunner, WorkerRunner
+
+    me = psutil.Process()
+    cpu = me.cpu_times()
+    role = ("master" if isinstance(environment.runner, MasterRunner)
+            else "worker" if isinstance(environment.runner, WorkerRunner) else "local")
+    record = {"role": role, "pid": os.getpid(), "cpu_s": round(cpu.user + cpu.system, 3),
+              "wall_s": round(time.time() - me.create_time(), 3)}
+    path = os.path.join(spec.samples_dir, f"process-{os.getpid()}.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError as e:   # the run's numbers stand without it
+        log.warning("could not write %s: %s", path, e)
 
 
 @events.quitting.add_listener

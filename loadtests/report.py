@@ -196,6 +196,19 @@ def write_report(out_dir: Path, report: dict[str, Any], runs: Runs | None = None
     return paths
 
 
+def client_cpu(cpu: dict[str, Any] | None) -> str:
+    """The load generator's cores, and each Locust process's where there are workers: `0.82 (m 0.04, w 0.40 /
+    0.38)`."""
+    cpu = cpu or {}
+    total = _f(cpu.get("cores"), "{:.2f}")
+    procs = cpu.get("by_process") or []
+    if not any(p.get("role") == "worker" for p in procs):
+        return total
+    master = [_f(p.get("cores"), "{:.2f}") for p in procs if p.get("role") == "master"]
+    workers = " / ".join(_f(p.get("cores"), "{:.2f}") for p in procs if p.get("role") == "worker")
+    return f"{total} ({'m ' + master[0] + ', ' if master else ''}w {workers})"
+
+
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
@@ -258,7 +271,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"{c['failures']} | {pair(c['ttft_ms'])} | "
                      f"{pair(c['itl_ms'])} | {pair(c['tpot_ms'])} | {pair(c['e2e_ms'])} | "
                      f"{_f(c['tokens_per_s'])} | {_f(c['acceptance']['responses']['acceptance_rate'], '{:.2f}')} | "
-                     f"{_f((c.get('client_cpu') or {}).get('cores'), '{:.2f}')} |")
+                     f"{client_cpu(c.get('client_cpu'))} |")
     lines += curves_markdown(report.get("curves") or [])
     if report.get("gains") and not report.get("curves"):
         lines += ["", "## Batch vs interactive: what speculation buys", "",

@@ -47,6 +47,7 @@ class CellResult:
     timed_out: bool = False
     samples: list[dict[str, Any]] = field(default_factory=list)
     probes_ms: list[float] = field(default_factory=list)
+    processes: list[dict[str, Any]] = field(default_factory=list)   # each Locust process: role, pid, cpu_s, wall_s
     locust_stats: dict[str, dict[str, Any]] = field(default_factory=dict)   # "E2E" -> CSV row
     log_tail: str = ""
     stop: dict[str, Any] = field(default_factory=dict)   # stop.json: reason, elapsed_s, completed, ...
@@ -187,6 +188,13 @@ def _tail(path: Path, n: int = 30) -> str:
 
 
 def _collect(result: CellResult, samples_dir: Path, csv_prefix: Path) -> None:
+    for path in sorted(samples_dir.glob("process-*.json")):
+        try:
+            result.processes.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    order = {"local": 0, "master": 1, "worker": 2}
+    result.processes.sort(key=lambda p: (order.get(p.get("role"), 3), p.get("pid", 0)))
     for path in sorted(samples_dir.glob("samples-*.jsonl")):
         for line in path.read_text().splitlines():
             try:

@@ -190,7 +190,11 @@ def measure_setting(session: Session, profile, setting: str, fields: dict[str, A
     summary["server_state"] = ramp.server_state(after)
     summary["client_cpu"] = {"cpu_s": round(client_cpu_s, 3),
                              "cores": round(client_cpu_s / cell.duration_s, 3) if cell.duration_s else None,
-                             "note": "user + system CPU of the load generator's processes over the run's wall time"}
+                             "by_process": [{**p, "cores": round(p["cpu_s"] / cell.duration_s, 3)
+                                             if cell.duration_s else None} for p in cell.processes],
+                             "note": "user + system CPU of the load generator's processes over the run's wall "
+                                     "time; by_process: each Locust process's own (a worker near 1.0 core is "
+                                     "client-bound: add --workers)"}
     summary["endpoint"] = {"api": session.api, "url": session.url, "model": session.model,
                            "metrics_url": session.metrics_url}
     if open_loop:

@@ -325,6 +325,11 @@ def test_grpc_streaming_with_distributed_locust(embedded, tmp_path):
     assert types["text_input"] == "BYTES" and types["max_tokens"] == "INT32" and types["stream"] == "BOOL"
     assert types["temperature"] == "FP32" and types["min_tokens"] == "INT32"
     assert len(list((run / "samples").glob("samples-*.jsonl"))) == 2   # one file per worker process
+    procs = cell["client_cpu"]["by_process"]                         # each Locust process's own CPU
+    assert [p["role"] for p in procs] == ["master", "worker", "worker"], procs
+    assert all(p["cpu_s"] > 0 and p["cores"] is not None and p["wall_s"] > 0 for p in procs)
+    assert sum(p["cpu_s"] for p in procs) <= cell["client_cpu"]["cpu_s"] + 0.5   # within the children's total
+    assert "(m " in (out / "report.md").read_text() and " w " in (out / "report.md").read_text()
 
 
 def test_bad_inputs_fail_before_any_load(embedded, tmp_path, monkeypatch):
