@@ -70,6 +70,11 @@ from specbuild.cli.options import (api_option, lengths_option, prompts_format_op
               help="SLO gate: fail if the failed fraction of requests exceeds this (0.01 = 1%).")
 @click.option("--workers", type=int, default=0, show_default=True,
               help="Locust distributed mode: one master plus this many worker processes (0 = one process).")
+@click.option("--kubernetes", is_flag=True, default=False,
+              help="Write the load test for the cluster instead of running it: per planned run, a Locust master "
+                   "Job and a Job of --workers workers (default 2) against the Service of `deploy --kubernetes` in "
+                   "--workdir, under OUT/ with README.txt; the pre-flight and smoke requests still go to --url "
+                   "(e.g. a kubectl port-forward of that Service).")
 @click.option("--cross-check", is_flag=True, default=False,
               help="After each run, measure the same traffic with an independent asyncio+httpx client "
                    "and report the TTFT / e2e median ratios.")
@@ -79,7 +84,7 @@ from specbuild.cli.options import (api_option, lengths_option, prompts_format_op
 def loadtest_command(profiles, compare, settings, sweep, ramp, api, url, grpc_url, metrics_url, model, protocol, tokenizer,
                      workdir, out, users, request_rate, prompts, prompts_format, lengths, duration, min_requests,
                      max_duration, max_tokens, max_input_tokens, max_p95_ttft_ms, max_p95_tpot_ms, max_error_rate,
-                     workers, cross_check, stop_timeout, seed):
+                     workers, kubernetes, cross_check, stop_timeout, seed):
     """Load-test a running deployment with Locust and write one report.
 
     Runs headless Locust once per profile x (sweep point x) setting (--compare value or --setting), each
@@ -107,8 +112,10 @@ def loadtest_command(profiles, compare, settings, sweep, ramp, api, url, grpc_ur
           --setting off:url=http://127.0.0.1:8080 --setting draft:url=http://127.0.0.1:8081
       specbuild loadtest --api openai-chat --url http://127.0.0.1:8080 --tokenizer ./target \\
           --prompts sharegpt.json --lengths data --request-rate 2
+      kubectl port-forward svc/specbuild 8000 8001 8002 &   # after deploy --kubernetes, in the cluster
+      specbuild loadtest --workdir work --profile batch --users 64 --workers 4 --kubernetes --out lt-k8s
     """
-    from specbuild.pipeline.loadtest import LoadtestConfig, loadtest
+    from specbuild.pipeline.loadtest import LoadtestConfig, loadtest, loadtest_in_cluster
     from specbuild.pipeline.serve import endpoints
 
     if api == "kserve":
@@ -131,4 +138,4 @@ def loadtest_command(profiles, compare, settings, sweep, ramp, api, url, grpc_ur
                          stop_timeout=stop_timeout, seed=seed, progress_bar=True, api=api, sweep=tuple(sweep), ramp=ramp,
                          request_rate=request_rate, prompts=Path(prompts) if prompts else None,
                          prompts_format=prompts_format, lengths=lengths)
-    loadtest(cfg, progress=lambda msg: click.echo(msg, err=True))
+    (loadtest_in_cluster if kubernetes else loadtest)(cfg, progress=lambda msg: click.echo(msg, err=True))

@@ -101,10 +101,12 @@ CACHE_ENV = [{"name": "HOME", "value": "/cache"}, {"name": "XDG_CACHE_HOME", "va
 
 
 def fetch_init_container(artifacts: str, overlay: dict[str, str], secret: str | None,
-                         dirs: tuple[str, ...] = ("engines", "model_repository")) -> tuple[dict, list[dict]]:
-    """(init container, its extra volumes): the workdir's `dirs` (engines/, model_repository/) from a PVC (busybox cp)
-    or an S3 prefix (aws s3 sync) into MOUNT/work, then the relocated configs (`overlay`: key -> relative path)
-    over them, so no config names a path of the build machine."""
+                         dirs: tuple[str, ...] = ("engines", "model_repository"),
+                         require: str = "model_repository/manifest.json") -> tuple[dict, list[dict]]:
+    """(init container, its extra volumes): the workdir's `dirs` (engines/, model_repository/, or deeper ones such
+    as engines/tokenizer) from a PVC (busybox cp) or an S3 prefix (aws s3 sync) into MOUNT/work, then the relocated
+    configs (`overlay`: key -> relative path) over them, so no config names a path of the build machine. It fails
+    (naming `artifacts`) when `require` is not there after the copy."""
     script = ["set -eu", f"mkdir -p {WORK}"]
     volumes: list[dict] = []
     mounts = [{"name": "work", "mountPath": MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
@@ -117,15 +119,16 @@ def fetch_init_container(artifacts: str, overlay: dict[str, str], secret: str | 
         mounts.append({"name": "artifacts", "mountPath": "/artifacts", "readOnly": True,
                        **({"subPath": sub} if sub else {})})
         # rm first: a pod sandbox recreated on the same node re-runs this over the kept emptyDir
-        script += [f"rm -rf {WORK}/{d} && cp -R /artifacts/{d} {WORK}/{d}" for d in dirs]
+        script += [f"rm -rf {WORK}/{d} && mkdir -p {str(Path(WORK, d).parent)} && cp -R /artifacts/{d} {WORK}/{d}"
+                   if "/" in d else f"rm -rf {WORK}/{d} && cp -R /artifacts/{d} {WORK}/{d}" for d in dirs]
     else:
         image = AWS_CLI
         url = artifacts.rstrip("/")
         script += [f"aws s3 sync --only-show-errors --delete {url}/{d} {WORK}/{d}" for d in dirs]
         if secret:   # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_REGION (or IRSA: no secret at all)
             env_from.append({"secretRef": {"name": secret}})
-    script.append(f"test -f {WORK}/model_repository/manifest.json || {{ echo 'no model_repository/manifest.json "
-                  f"under {artifacts}: copy the workdir (engines/, model_repository/) there' >&2; exit 1; }}")
+    script.append(f"test -f {WORK}/{require} || {{ echo 'no {require} under {artifacts}: copy the workdir "
+                  f"({', '.join(d + '/' for d in dirs)}) there' >&2; exit 1; }}")
     if overlay:
         volumes.append({"name": "overlay", "configMap": {"name": "", "defaultMode": 0o444}})   # name set by caller
         mounts.append({"name": "overlay", "mountPath": OVERLAY, "readOnly": True})

@@ -293,7 +293,8 @@ def write(workdir: str | Path, *, image: str | None = None, name: str = "specbui
         scaled = docs["scaledobject.yaml"]
         write_manifest(tmp, Manifest(
             stage="kubernetes", inputs={"deploy": deployed.get("fingerprint")},
-            options={"image": image, "name": name, "artifacts": artifacts, "namespace": namespace,
+            options={"image": image, "name": name, "backend": backend, "artifacts": artifacts,
+                     "artifacts_secret": artifacts_secret, "namespace": namespace,
                      "replicas": replicas, "max_replicas": max_replicas, "gpus_per_node": gpus_per_node},
             outputs={"files": sorted(docs)},
             extra={"apply": f"kubectl apply -f {out}",

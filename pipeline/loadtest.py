@@ -48,7 +48,7 @@ from specbuild.core import machine, wire
 from specbuild.core.constants import ADMIN_KEY, ADMIN_TOKEN_ENV
 from specbuild.core.contract import SPECULATIVE_MODEL, ENSEMBLE_MODEL
 from specbuild.core.errors import SpecbuildError, UsageError
-from specbuild.core.manifest import Manifest, stage_output, write_manifest
+from specbuild.core.manifest import Manifest, read_manifest, stage_output, write_manifest
 
 log = logging.getLogger(__name__)
 PROTOCOLS = ("http", "grpc")
@@ -286,6 +286,53 @@ def loadtest(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None)
     say(f"report: {out_dir / 'report.md'}")
     _raise_for(report, out_dir)
     return report
+
+
+def loadtest_in_cluster(cfg: LoadtestConfig, progress: Callable[[str], None] | None = None) -> Path:
+    """`loadtest --kubernetes`: what `loadtest` checks before any load (the pre-flight at `cfg.url`, e.g. a
+    `kubectl port-forward` of the server's Service; one smoke request per run), then, instead of the load, Locust
+    master + workers manifests of every planned run under `cfg.out` (`pipeline/k8s_locust.py`), for the deployment
+    `deploy --kubernetes` rendered in `cfg.workdir` (its name, namespace, image and artefacts). Returns `cfg.out`."""
+    import dataclasses
+    import tempfile
+
+    from specbuild.pipeline import k8s_locust
+
+    say = progress or (lambda msg: log.info(msg))
+    workdir = Path(cfg.workdir).resolve()
+    try:
+        o = read_manifest(workdir / "kubernetes", "kubernetes")["options"]
+    except SpecbuildError as e:
+        raise UsageError(f"{e} The load test inside the cluster runs against the Service of `specbuild deploy "
+                         f"--kubernetes --workdir {cfg.workdir} ...`, from its image and artefacts: render that "
+                         "first.") from None
+    if cfg.cross_check:
+        raise UsageError("--cross-check measures beside a local run; drop it with --kubernetes.")
+    cfg = dataclasses.replace(cfg, workers=cfg.workers or 2)
+    runs, sessions, _report = _prepare(cfg, say)
+    if any(r.endpoint != (None, None, None) for r in runs):
+        raise UsageError("a --setting with its own url= / grpc_url= / metrics_url= names a server outside the "
+                         "cluster's Service; drop it with --kubernetes.")
+    server = {"app.kubernetes.io/name": "specbuild", "app.kubernetes.io/instance": o["name"],
+              "app.kubernetes.io/component": "server"}
+    docs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="specbuild-k8s-loadtest-") as scratch:
+        for run in runs:
+            session = sessions[run.endpoint]
+            spec, users = _run_spec(session, run.profile, run.fields, run.run_dir(Path(scratch)))
+            open_loop = run.profile.request_rate is not None
+            docs[k8s_locust.run_name(run.key)] = k8s_locust.render(
+                spec, users=users, spawn_rate=float(users) if open_loop else run.profile.effective_spawn_rate,
+                workers=cfg.workers, stop_timeout=cfg.stop_timeout, key=run.key, workdir=workdir, name=o["name"],
+                namespace=o["namespace"], image=o["image"], artifacts=o["artifacts"],
+                artifacts_secret=o.get("artifacts_secret"), server_selector=server,
+                backend=o.get("backend") or "embedded")
+    if len(docs) != len(runs):
+        raise UsageError("two runs share a Kubernetes name; give the settings names that differ in letters or digits.")
+    out = k8s_locust.write(Path(cfg.out), docs)
+    say(f"{len(docs)} run(s) x (1 Locust master + {cfg.workers} workers) for the cluster: {out} "
+        f"(how to run and read them: {out / 'README.txt'})")
+    return out
 
 
 def _write_report(tmp: Path, report: dict[str, Any], measured: Runs | None = None) -> dict[str, Path]:

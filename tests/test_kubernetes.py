@@ -325,3 +325,135 @@ def test_the_image_installer_makes_a_runnable_tritonserver(tmp_path):
     text = run.stdout + run.stderr                    # --help exits 1; a missing library would fail before usage
     assert "Usage: tritonserver" in text and "--model-repository" in text
     assert "error while loading shared libraries" not in text
+
+
+def _locust_script_argv(script: str) -> list[str]:
+    """The Locust arguments of a pod's `sh -c` script (after `-f LOCUSTFILE`)."""
+    import shlex
+    line = next(x for x in script.splitlines() if "python -m locust" in x)
+    return shlex.split(line.split("print(m.__file__)')\"", 1)[1])
+
+
+def locust_options(argv: list[str]) -> dict:
+    """Locust's own parser on `argv`, in a subprocess (importing locust here would monkey-patch this process)."""
+    code = ("import json, sys\nfrom locust.argument_parser import parse_options\n"
+            "o = parse_options(args=sys.argv[1:])\nprint(json.dumps({k: v for k, v in vars(o).items() "
+            "if isinstance(v, (str, int, float, bool, type(None)))}))")
+    r = subprocess.run([sys.executable, "-c", code, "-f", "locustfile.py", *argv], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_load_test_runs_inside_the_cluster_as_a_locust_master_and_workers(embedded_out, running_server, tmp_path):
+    """`loadtest --kubernetes`: per planned run, a master Job and a Job of workers that the schemas, the lint rules,
+    Locust's own argument parser and the server's NetworkPolicy accept; then the very scripts of those pods, run
+    here against the real server (only the cluster's names and the pod's fixed paths swapped), end the run by
+    the stop rule and print Locust's results to the log."""
+    from specbuild.pipeline.k8s_locust import LOCUST_PORT, RUN_DIR, lint_loadtest
+    from servers import free_ports
+
+    workdir, kube = embedded_out
+    r = CliRunner().invoke(cli, ["deploy", "--workdir", str(workdir), "--kubernetes",   # as embedded_out (others
+                                 "--image", "registry.example.com/specbuild:0.1",        # render over it)
+                                 "--artifacts", "s3://bucket/work", "--artifacts-secret", "aws"])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "lt"
+    r = CliRunner().invoke(cli, ["loadtest", "--workdir", str(workdir), "--url", running_server.http_url,
+                                 "--grpc-url", running_server.grpc_url, "--metrics-url", running_server.metrics_url,
+                                 "--profile", "chat", "--sweep", "users=1,3", "--setting", "off:num_draft_tokens=0",
+                                 "--setting", "on:num_draft_tokens=4", "--duration", "3", "--min-requests", "4",
+                                 "--max-tokens", "8", "--workers", "3", "--kubernetes", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    runs = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert runs == ["chat-users-1-off", "chat-users-1-on", "chat-users-3-off", "chat-users-3-on"]
+    assert "kubectl apply -f" in (out / "README.txt").read_text()
+    server_np = read_dir(kube)["networkpolicy.yaml"]
+    clients = server_np["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    server_sel = read_dir(kube)["deployment.yaml"]["spec"]["selector"]["matchLabels"]
+    for run in runs:
+        docs = read_dir(out / run)
+        assert lint_loadtest(docs) == []
+        for version in VERSIONS:
+            assert schema_problems(docs, version) == [], version
+        text = "".join((out / run / f).read_text() for f in docs)
+        assert str(workdir) not in text and str(tmp_path) not in text   # no path of this machine
+        spec = json.loads(docs["configmap.yaml"]["data"]["runspec.json"])
+        assert spec["url"] == "http://specbuild.default.svc:8000" and spec["grpc_url"] == "specbuild.default.svc:8001"
+        assert spec["tokenizer"] == "/specbuild/work/engines/tokenizer/tokenizer.json"
+        assert (workdir / "engines/tokenizer/tokenizer.json").is_file()
+        assert spec["payload"]["num_draft_tokens"] == (0 if run.endswith("off") else 4)
+        master, workers = docs["master.yaml"], docs["workers.yaml"]
+        for job in (master, workers):
+            pod = job["spec"]["template"]
+            assert clients.items() <= pod["metadata"]["labels"].items()   # the server lets them in
+            terms = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+            assert terms[0]["podAffinityTerm"]["labelSelector"]["matchLabels"] == server_sel   # off its nodes
+            init = pod["spec"]["initContainers"][0]["command"][-1]
+            assert "aws s3 sync --only-show-errors --delete s3://bucket/work/engines/tokenizer " \
+                   "/specbuild/work/engines/tokenizer" in init
+            assert "test -f /specbuild/work/engines/tokenizer/tokenizer.json" in init
+            assert pod["spec"]["initContainers"][0]["envFrom"] == [{"secretRef": {"name": "aws"}}]
+        assert workers["spec"]["completions"] == workers["spec"]["parallelism"] == 3
+        if run != "chat-users-3-on":
+            continue
+        # Locust's own parser takes both command lines
+        margv = _locust_script_argv(master["spec"]["template"]["spec"]["containers"][0]["command"][-1])
+        mopts = locust_options(margv)
+        assert mopts["master"] and mopts["headless"] and mopts["expect_workers"] == 3
+        assert mopts["num_users"] == (1 if "users-1" in run else 3) and mopts["host"] == spec["url"]
+        wscript = workers["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+        wopts = locust_options(_locust_script_argv(wscript))
+        svc = docs["master-service.yaml"]
+        assert wopts["worker"] and wopts["master_host"] == svc["metadata"]["name"]
+        assert wopts["master_port"] == LOCUST_PORT
+        assert svc["spec"]["selector"].items() <= master["spec"]["template"]["metadata"]["labels"].items()
+
+    # the pods' own scripts, here: cluster names -> this machine's server, the fixed paths -> tmp_path
+    docs = read_dir(out / "chat-users-3-on")
+    spec = json.loads(docs["configmap.yaml"]["data"]["runspec.json"])
+    spec.update(url=running_server.http_url, grpc_url=running_server.grpc_url,
+                tokenizer=str(workdir / "engines/tokenizer/tokenizer.json"))
+    run_dir = tmp_path / "pod"
+    local = dict(spec, samples_dir=str(run_dir / "samples"), run_dir=str(run_dir))
+    (tmp_path / "runspec.json").write_text(json.dumps(local))
+    port = str(free_ports(1)[0])
+
+    def here(script):
+        return (script.replace(RUN_DIR, str(run_dir)).replace(f"--master-bind-port {LOCUST_PORT}",
+                                                             f"--master-bind-port {port} --master-bind-host 127.0.0.1")
+                .replace(f"--master-port {LOCUST_PORT}", f"--master-port {port}")
+                .replace(docs["master-service.yaml"]["metadata"]["name"], "127.0.0.1")
+                .replace("http://specbuild.default.svc:8000", running_server.http_url))
+
+    env = {**os.environ, "SPECBUILD_LOADTEST_SPEC": str(tmp_path / "runspec.json"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    mscript = here(docs["master.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"][-1])
+    wscript = here(docs["workers.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"][-1])
+    master = subprocess.Popen(["sh", "-c", mscript], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    workers = [subprocess.Popen(["sh", "-c", wscript], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(3)]
+    try:
+        log, _ = master.communicate(timeout=240)
+        for w in workers:
+            assert w.wait(timeout=60) == 0     # each worker exits when the master ends the run
+    finally:
+        for p in (master, *workers):
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    assert master.returncode == 0, log[-3000:]
+    assert f"== {run_dir}/chat_stats.csv" in log and f"== {run_dir}/stop.json" in log
+    stop = json.loads((run_dir / "stop.json").read_text())
+    assert stop["completed"] >= 4, stop
+    rows = [line.split(",") for line in (run_dir / "chat_stats.csv").read_text().splitlines()]
+    aggregated = next(row for row in rows if "Aggregated" in row)
+    assert int(aggregated[rows[0].index("Request Count")]) >= 4
+    assert len(list((run_dir / "samples").glob("samples-*.jsonl"))) == 3   # one per worker
+
+
+def test_the_load_test_for_the_cluster_needs_the_rendered_deployment_and_writes_nothing(tmp_path):
+    r = CliRunner().invoke(cli, ["loadtest", "--workdir", str(tmp_path), "--kubernetes", "--out", str(tmp_path / "lt")])
+    assert r.exit_code != 0
+    assert "deploy --kubernetes" in r.output and "render that first" in r.output
+    assert not (tmp_path / "lt").exists()
