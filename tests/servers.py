@@ -111,3 +111,12 @@ def running_server(server_workdir):
         yield handle
     finally:
         handle.stop()
+
+
+def interruptible() -> None:
+    """`preexec_fn` of a process a test Ctrl-Cs: SIGINT back to its default, as in a terminal. A test run started
+    in the background by a shell without job control (`cmd &` in a script) inherits SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler: the SIGINT the test sends would do nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

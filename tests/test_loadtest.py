@@ -355,8 +355,10 @@ def test_bad_inputs_fail_before_any_load(embedded, tmp_path, monkeypatch):
 def _loadtest_in_background(server, out: Path, *args: str) -> subprocess.Popen:
     """`specbuild loadtest` as a user's process (its own session, so signals reach it alone)."""
     argv = [sys.executable, "-m", "specbuild.cli.main", "loadtest", *_embedded_args(server, out, *args)]
+    from servers import interruptible
+
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=interruptible)
 
 
 def _wait_for_chat_samples(out: Path, timeout: float) -> None:

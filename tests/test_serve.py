@@ -14,7 +14,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from servers import free_ports, reaped, serve_options
+from servers import free_ports, interruptible, reaped, serve_options
 from specbuild.pipeline import serve
 from specbuild.core.errors import ServerError, UsageError
 from specbuild.core.manifest import Manifest, write_manifest
@@ -174,7 +174,7 @@ def test_foreground_serve_stops_cleanly_on_ctrl_c(workdir):
     exe = Path(sys.executable).parent / "specbuild"
     proc = subprocess.Popen([str(exe), "serve", "--workdir", str(workdir), "--http-port", str(http),
                              "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--timeout", "120"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=interruptible)
     with reaped(proc):
         deadline = time.monotonic() + 150
         while serve.read_state(workdir) is None or not serve.is_ready(serve.read_state(workdir)):
