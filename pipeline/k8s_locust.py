@@ -2,7 +2,7 @@
 Job and a Job of N workers, running the locustfile and run spec a local `specbuild loadtest` runs, against the
 server's Service instead of a local URL.
 
-Per planned run (profile x setting x sweep point), `<out>/kubernetes/<run>/`:
+Per planned run (profile x setting x sweep point), `<out>/<run>/` (and `<out>/README.txt`):
 - `configmap.yaml`: the run spec with the cluster's addresses (`<service>.<namespace>.svc`, ports 8000/8001), the
   tokenizer under the artefact copy (`/specbuild/work/...`), samples and stop.json under /tmp;
 - `master.yaml`: a Job, `locust --master --expect-workers N --headless -u U -r R -t T --csv ...`, its pod
