@@ -30,6 +30,12 @@ def labels(name: str, backend: str, component: str = "server") -> dict[str, str]
             "app.kubernetes.io/component": component, "specbuild/backend": backend}
 
 
+def selector(name: str, component: str = "server") -> dict[str, str]:
+    """The labels that pick one deployment's pods of one component (a subset of `labels`)."""
+    return {"app.kubernetes.io/name": "specbuild", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": component}
+
+
 def meta(name: str, lab: dict[str, str], namespace: str | None = None, **extra: Any) -> dict[str, Any]:
     m: dict[str, Any] = {"name": name, "labels": dict(lab)}
     if namespace:
@@ -119,8 +125,8 @@ def fetch_init_container(artifacts: str, overlay: dict[str, str], secret: str | 
         mounts.append({"name": "artifacts", "mountPath": "/artifacts", "readOnly": True,
                        **({"subPath": sub} if sub else {})})
         # rm first: a pod sandbox recreated on the same node re-runs this over the kept emptyDir
-        script += [f"rm -rf {WORK}/{d} && mkdir -p {str(Path(WORK, d).parent)} && cp -R /artifacts/{d} {WORK}/{d}"
-                   if "/" in d else f"rm -rf {WORK}/{d} && cp -R /artifacts/{d} {WORK}/{d}" for d in dirs]
+        script += [f"rm -rf {WORK}/{d} && mkdir -p {Path(WORK, d).parent} && cp -R /artifacts/{d} {WORK}/{d}"
+                   for d in dirs]
     else:
         image = AWS_CLI
         url = artifacts.rstrip("/")

@@ -160,8 +160,7 @@ def render(*, name: str, backend: str, image: str, workdir: Path, artifacts: str
         raise UsageError(f"--artifacts {artifacts!r}: give pvc:CLAIM[/SUBDIR] (a volume holding the workdir's "
                          "engines/ and model_repository/) or s3://BUCKET/PREFIX (the same, synced to S3).")
     lab = k.labels(name, backend)
-    selector = {key: lab[key] for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance",
-                                          "app.kubernetes.io/component")}
+    selector = k.selector(name)
     overlay = relocate(workdir)
     if sum(len(t.encode()) for t in overlay.values()) > _CONFIGMAP_MAX:
         raise UsageError("the relocated configs exceed a ConfigMap's 1 MiB; render with fewer models per workdir.")

@@ -176,7 +176,7 @@ def measure_setting(session: Session, profile, setting: str, fields: dict[str, A
         f"max_tokens {profile.max_tokens})")
     cpu0 = _children_cpu()
     cell = run_cell(spec, profile=profile.name, setting=setting, run_dir=run_dir, users=users,
-                    spawn_rate=float(users) if open_loop else profile.effective_spawn_rate,
+                    spawn_rate=_spawn_rate(profile, users),
                     workers=session.workers, stop_timeout=session.stop_timeout, progress_bar=session.progress_bar)
     client_cpu_s = _children_cpu() - cpu0
     after = None if cell.interrupted else target.scrape(session.metrics_url)
@@ -235,6 +235,11 @@ def _run_spec(session: Session, profile, fields: dict[str, Any], run_dir: Path):
                    prompt_output_tokens=session.output_tokens(profile), request_rate=profile.request_rate,
                    open_loop_users=users)
     return spec, users
+
+
+def _spawn_rate(profile, users: int) -> float:
+    """Users started per second: an open loop's senders all at once, a closed loop's at the profile's rate."""
+    return float(users) if profile.request_rate is not None else profile.effective_spawn_rate
 
 
 def _write_run_files(run_dir: Path, summary: dict[str, Any], data: RunData, samples: list, stream: bool) -> None:
@@ -297,6 +302,7 @@ def loadtest_in_cluster(cfg: LoadtestConfig, progress: Callable[[str], None] | N
     import tempfile
 
     from specbuild.pipeline import k8s_locust
+    from specbuild.pipeline.k8s_objects import selector
 
     say = progress or (lambda msg: log.info(msg))
     workdir = Path(cfg.workdir).resolve()
@@ -313,19 +319,16 @@ def loadtest_in_cluster(cfg: LoadtestConfig, progress: Callable[[str], None] | N
     if any(r.endpoint != (None, None, None) for r in runs):
         raise UsageError("a --setting with its own url= / grpc_url= / metrics_url= names a server outside the "
                          "cluster's Service; drop it with --kubernetes.")
-    server = {"app.kubernetes.io/name": "specbuild", "app.kubernetes.io/instance": o["name"],
-              "app.kubernetes.io/component": "server"}
     docs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="specbuild-k8s-loadtest-") as scratch:
         for run in runs:
             session = sessions[run.endpoint]
             spec, users = _run_spec(session, run.profile, run.fields, run.run_dir(Path(scratch)))
-            open_loop = run.profile.request_rate is not None
             docs[k8s_locust.run_name(run.key)] = k8s_locust.render(
-                spec, users=users, spawn_rate=float(users) if open_loop else run.profile.effective_spawn_rate,
+                spec, users=users, spawn_rate=_spawn_rate(run.profile, users),
                 workers=cfg.workers, stop_timeout=cfg.stop_timeout, key=run.key, workdir=workdir, name=o["name"],
                 namespace=o["namespace"], image=o["image"], artifacts=o["artifacts"],
-                artifacts_secret=o.get("artifacts_secret"), server_selector=server,
+                artifacts_secret=o.get("artifacts_secret"), server_selector=selector(o["name"]),
                 backend=o.get("backend") or "embedded")
     if len(docs) != len(runs):
         raise UsageError("two runs share a Kubernetes name; give the settings names that differ in letters or digits.")
