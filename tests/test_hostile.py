@@ -11,7 +11,6 @@ fixes it shows up as XPASS. No case here is a 5xx of our own code (the soak coun
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -95,23 +94,31 @@ def test_hostile_case_gets_a_4xx_with_the_reason_or_is_served(running_server, ca
     assert httpx.get(f"{base}/v2/health/ready", timeout=10).status_code == 200
 
 
+def settled_refusals(server) -> float:
+    """specbuild_requests_refused_invalid_total once every refusal made before now is in it. A refusal is pushed
+    at the engine's next metrics push (up to metrics_interval_s later), so a bare read can miss an earlier test's
+    last one (CI, stop 33: `before` read 102, the end 104 for one refusal). A served request's final reply waits
+    for the push, and its ack, that includes everything the engine counted before it: read after one."""
+    from specbuild.core.metrics import parse_prometheus
+
+    r = httpx.post(f"{server.http_url}/v2/models/tensorrt_llm_bls/generate", timeout=120,
+                   json={"text_input": "The quick brown fox", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    m = parse_prometheus(httpx.get(server.metrics_url, timeout=10).text)
+    return m.get("specbuild_requests_refused_invalid_total", 0.0)
+
+
 @pytest.mark.parametrize("case", sorted(UPSTREAM_500))
 def test_upstream_500_is_tritonservers_own_parse_error(running_server, case):
     """Pins what the docs say: these 500s carry tritonserver's parser message and never reach the model
     (specbuild_requests_refused_invalid_total does not move)."""
-    from specbuild.core.metrics import parse_prometheus
-
-    def refused():
-        m = parse_prometheus(httpx.get(running_server.metrics_url, timeout=10).text)
-        return m.get("specbuild_requests_refused_invalid_total", 0.0)
-
-    before = refused()
+    before = settled_refusals(running_server)
     for model in MODELS:
         for endpoint in ENDPOINTS:
             status, label, message = send(running_server.http_url, case, model, endpoint)
             assert (status, label) == (500, "upstream_500"), (model, endpoint, message)
             assert message.startswith(soak.UPSTREAM_500_PREFIXES), message
-    assert refused() == before
+    assert settled_refusals(running_server) == before
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="upstream: tritonserver < 2.58 recurses once per nesting level of a JSON "
@@ -181,13 +188,7 @@ def test_a_huge_stop_words_is_refused_before_it_reaches_the_engine(running_serve
     """Issue 28 probe 5: a 2,000,000-entry stop_words was JSON/base64-encoded by the forwarding model and decoded
     by the engine before its count was refused. Now the forwarding model refuses it on its element count before
     encoding anything: a 400 naming stop_words, and the engine never sees it (its refusal counter stays)."""
-    from specbuild.core.metrics import parse_prometheus
-
-    def refused():
-        m = parse_prometheus(httpx.get(running_server.metrics_url, timeout=10).text)
-        return m.get("specbuild_requests_refused_invalid_total", 0.0)
-
-    before = refused()
+    before = settled_refusals(running_server)
     for model in MODELS:
         body = soak.hostile_body("stop_words_2m", "The quick brown fox", 8, stream=False)
         r = httpx.post(f"{running_server.http_url}/v2/models/{model}/generate", content=body, timeout=120)
@@ -195,7 +196,4 @@ def test_a_huge_stop_words_is_refused_before_it_reaches_the_engine(running_serve
     r = httpx.post(f"{running_server.http_url}/v2/models/tensorrt_llm_bls/generate", timeout=120,
                    json={"text_input": "The quick brown fox", "max_tokens": 0})     # one that reaches it
     assert r.status_code == 400
-    deadline = time.monotonic() + 30          # counted at the engine's next metrics push
-    while refused() < before + 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert refused() == before + 1
+    assert settled_refusals(running_server) == before + 1

@@ -178,6 +178,27 @@ def test_metrics_wait_for_the_ack_but_not_for_a_publisher_that_stopped(service):
     assert svc._ack_lagging
 
 
+def test_a_publisher_that_connects_late_gets_the_totals_so_far_at_once(service):
+    """A restarted engine answered the first requests before the `tensorrt_llm` model's metrics connection came
+    back; those pushes went to nobody, and nothing else was pushed until the next request, so the restart and
+    those requests stayed uncounted (CI, stop 33). A metrics connection that says hello gets the totals now."""
+    svc, eng = service
+    c = Client(svc.path)
+    c.submit("a", text_input=PROMPTS[0], max_tokens=8, min_tokens=8)
+    c.text("a")                                # answered with no publisher connected
+    seen = []
+
+    class Publisher(Client):
+        def _frame(self, msg):
+            if msg["op"] == "metrics":
+                seen.append(msg["m"])
+                self.conn.send({"op": "metrics_ack", "seq": msg["seq"]})
+
+    pub = Publisher(svc.path, role="metrics")
+    pub.conn.open()
+    wait_until(lambda: any(m["requests_total"] >= 1 for m in seen), "the totals so far, with no new request")
+
+
 def test_no_engine_is_a_clear_unavailable(tmp_path):
     conn = EngineConnection(str(tmp_path / "none.sock"), lambda m: None, lambda r, g: None, connect_timeout=0.2)
     with pytest.raises(EngineUnavailable, match="not running"):

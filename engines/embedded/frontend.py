@@ -248,6 +248,11 @@ class Frontend:
             self._dirty_tick()
             send(Reply(final=True, error=str(e) if kind != "internal" else f"{type(e).__name__}: {e}", kind=kind))
 
+    def publish_soon(self) -> None:
+        """Push the current metrics at the sender's next push (within metrics_interval_s) even if nothing changed:
+        a metrics publisher that (re)connected has seen none of this engine's totals yet."""
+        self._dirty_tick()
+
     def count_refusal(self, kind: str) -> None:
         """Count a request refused before `handle` (the service's size caps); pushed at the next metrics push."""
         with self._lock:

@@ -16,6 +16,7 @@ responses; the engine never waits on any of them:
 - the metrics connection (the `tensorrt_llm` model, which owns Triton's custom metrics) acknowledges each
   push; the frontend pushes before every final reply, so a client that has its answer reads counters that
   include it. An ack that does not come within `metrics_ack_s` is not waited for again until one arrives.
+  A metrics connection that says hello is sent the totals so far at once (it may come after the requests).
 
 The process exits when its parent (the `tensorrt_llm` stub) is gone, and on SIGTERM.
 """
@@ -256,6 +257,11 @@ class EngineService:
                 with self._lock:
                     self._metrics_conn = conn
             conn.push({"op": "ready", "engine": self.engine_id, "pid": os.getpid()})
+            if conn.role == "metrics":
+                # its totals so far, at once: the requests answered before it (re)connected pushed to nobody,
+                # and nothing else may happen for a long time (a restart otherwise went uncounted until the
+                # next request)
+                self.frontend.publish_soon()
         elif op == "metrics_ack":
             event = self._acks.pop(int(msg.get("seq", 0)), None)
             self._ack_lagging = False
