@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 from specbuild.core import machine  # noqa: E402
+from specbuild.core.manifest import atomic_write_text  # noqa: E402
 
 SB = [sys.executable, "-m", "specbuild.cli.main"]
 METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "tokens_per_s")
@@ -74,9 +75,7 @@ def main(argv=None) -> int:
               "within_tolerance": {m: abs(r - 1) <= args.tolerance for m, r in ratios.items()},
               "tolerance": args.tolerance, "runs": {"one process": one, f"{args.workers} workers": many}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    tmp_out.replace(args.out)
+    atomic_write_text(args.out, json.dumps(report, indent=1, default=str) + "\n")
     print(f"| metric (median of {args.rounds} runs' p50) | one process | {args.workers} workers | ratio |")
     print("|---|---|---|---|")
     for m in METRICS:

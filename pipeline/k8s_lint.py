@@ -77,7 +77,7 @@ def _container_problems(where: str, c: dict, server: bool, annotations: dict) ->
     return p
 
 
-def _pod_problems(where: str, template: dict) -> list[str]:
+def pod_problems(where: str, template: dict) -> list[str]:
     p = []
     spec = template.get("spec") or {}
     psc = spec.get("securityContext") or {}
@@ -167,7 +167,7 @@ def lint(docs: dict[str, Any]) -> list[str]:
     for filename, obj in objects(docs):
         kinds.setdefault(obj.get("kind", "?"), []).append(obj)
         for role, template in pod_templates(obj):
-            problems += _pod_problems(f"{filename} {role}", template)
+            problems += pod_problems(f"{filename} {role}", template)
         if obj.get("kind") == "LeaderWorkerSet":
             problems += _lws_problems(obj)
         if obj.get("kind") == "ScaledObject":

@@ -177,13 +177,13 @@ def render(spec, *, users: int, spawn_rate: float, workers: int, stop_timeout: f
 def lint_loadtest(docs: dict[str, Any]) -> list[str]:
     """The pod rules of every manifest (`k8s_lint`), and the load test's own: a master Job and a workers Job whose
     pods carry the client label, the master's port open only to its workers, no server port."""
-    from specbuild.pipeline.k8s_lint import _pod_problems, objects, pod_templates
+    from specbuild.pipeline.k8s_lint import pod_problems, objects, pod_templates
 
     problems: list[str] = []
     jobs = {}
     for filename, obj in objects(docs):
         for role, template in pod_templates(obj):
-            problems += _pod_problems(f"{filename} {role}", template)
+            problems += pod_problems(f"{filename} {role}", template)
             labels = (template.get("metadata") or {}).get("labels") or {}
             if labels.get(CLIENT_LABEL[0]) != CLIENT_LABEL[1]:
                 problems.append(f"{filename}: pods need the label {CLIENT_LABEL[0]}={CLIENT_LABEL[1]} (the server's "

@@ -25,15 +25,14 @@ ADMIN_HEADER = ADMIN_KEY
 ADMIN_ENV = ADMIN_TOKEN_ENV
 
 
-def labels(name: str, backend: str, component: str = "server") -> dict[str, str]:
-    return {"app.kubernetes.io/name": "specbuild", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/component": component, "specbuild/backend": backend}
-
-
 def selector(name: str, component: str = "server") -> dict[str, str]:
     """The labels that pick one deployment's pods of one component (a subset of `labels`)."""
     return {"app.kubernetes.io/name": "specbuild", "app.kubernetes.io/instance": name,
             "app.kubernetes.io/component": component}
+
+
+def labels(name: str, backend: str, component: str = "server") -> dict[str, str]:
+    return {**selector(name, component), "specbuild/backend": backend}
 
 
 def meta(name: str, lab: dict[str, str], namespace: str | None = None, **extra: Any) -> dict[str, Any]:
