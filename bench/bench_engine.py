@@ -31,13 +31,12 @@ from specbuild.engines.embedded import Engine, EngineConfig, SamplingParams
 from specbuild.engines.embedded.adaptive import expected_tokens
 from specbuild.engines.embedded.calibrate import estimate_alpha, forward_probe, time_interleaved
 from specbuild.engines.embedded import fused
-from specbuild.engines.embedded.kernels import onednn_available
 from specbuild.engines.embedded.quant import quantize_model_
 from specbuild.loadtests.promptsets import chat_prompts, code_prompts, summarize_prompts
 from specbuild.pipeline.sources import cache_dir, resolve
 from specbuild.core.machine import describe  # noqa: E402
 from specbuild.engines.embedded.fused import status as fused_status  # noqa: E402
-from specbuild.engines.embedded.step import linear_kernel_of  # noqa: E402
+from specbuild.engines.embedded.step import auto_linear_kernel, linear_kernel_of  # noqa: E402
 
 MODEL = "demo:smollm2-135m-instruct"
 KINDS = ("chat", "code", "summ")
@@ -90,7 +89,7 @@ def engine_dir(workdir: Path, quantize: str = "int4", max_draft_len: int = 8) ->
         cfg = json.loads(cfg_path.read_text())
         cal = cfg.get("calibration") or {}
         stale = (cfg.get("schema", 1) < 2
-                 or cal.get("linear_kernel", "aten") != ("onednn" if onednn_available() else "aten")
+                 or cal.get("linear_kernel", "aten") != auto_linear_kernel()
                  or cal.get("decode_step", "eager") != ("fused" if fused.extension() is not None else "eager"))
     result = build(workdir=workdir, draft_quantize=quantize, max_batch_size=8, max_seq_len=1024, progress=log,
                    max_draft_len=max_draft_len, force=stale)

@@ -1,5 +1,6 @@
-"""oneDNN packed fp32 linears (engines/embedded/kernels.py): same values as torch's linear, batch-invariant rows,
-and the engine uses them by default (and not when told "aten")."""
+"""fp32 linears (engines/embedded/kernels.py): the fused extension's tiled kernel and oneDNN's packed one compute
+what torch's linear computes, with batch-invariant rows; the engine uses the tiled one by default where the
+extension is built, oneDNN where it is not, and neither when told "aten"."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from specbuild.engines.embedded.kernels import PackedLinear, onednn_available
+from specbuild.engines.embedded import fused
+from specbuild.engines.embedded.kernels import PackedLinear, TiledLinear, onednn_available
 from specbuild.engines.embedded.step import linear_kernel_of, pack_linears_
 from specbuild.engines.embedded.kvcache import KVCache
 from specbuild.engines.embedded.model import ragged_forward
@@ -18,6 +20,72 @@ from specbuild.engines.embedded.quant import Int8Linear, quantize_model_
 from specbuild.engines.embedded.weights import load_model
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
+needs_ext = pytest.mark.skipif(fused.extension() is None, reason=f"fused decode step: {fused.status()}")
+
+
+def _linear(n_out, n_in, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, n_in, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(n_out, generator=gen))
+    return lin, gen
+
+
+@needs_ext
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiled_linear_computes_what_linear_computes(bias):
+    lin, gen = _linear(83, 96, bias, 11)                   # 83 outputs: full weight tiles and a remainder
+    tiled = TiledLinear(lin, fused.extension())
+    for shape in [(1, 96), (2, 96), (3, 96), (7, 96), (2, 5, 96), (129, 96), (300, 96)]:   # > 128 rows: ATen
+        x = torch.randn(*shape, generator=gen)
+        torch.testing.assert_close(tiled(x), lin(x), rtol=1e-4, atol=1e-4)
+    x = torch.randn(3, 6, 96, generator=gen)[:, 1:4]          # a non-contiguous view, as a split produces
+    torch.testing.assert_close(tiled(x), lin(x), rtol=1e-4, atol=1e-4)
+    assert tiled.weight is lin.weight                          # the layer's own tensor: no copy
+
+
+@needs_ext
+def test_tiled_rows_do_not_depend_on_the_other_rows_at_any_row_count():
+    """Batch invariance at the kernel for every tile shape (1, 2, 3 and 4-row tiles, and their remainders): row i
+    of an m-row call is bitwise row i computed alone, for m up to TILED_MAX_ROWS."""
+    lin, gen = _linear(1001, 576, True, 12)
+    tiled = TiledLinear(lin, fused.extension())
+    limit = fused.extension().TILED_MAX_ROWS
+    x = torch.randn(limit, 576, generator=gen)
+    alone = torch.cat([tiled(x[i:i + 1]) for i in range(limit)])
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 72, limit):
+        assert torch.equal(tiled(x[:m]), alone[:m]), m
+
+
+@needs_ext
+def test_auto_puts_fp32_linears_on_the_tiled_kernel_and_a_tied_lm_head_stays_the_embedding(tiny_llama):
+    ref = load_model(tiny_llama)
+    model = load_model(tiny_llama)
+    n_linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    assert pack_linears_(model) == n_linears > 0
+    assert linear_kernel_of(model) == "tiled"
+    assert model.num_bytes() == ref.num_bytes()            # no copies (oneDNN holds a reordered one per layer)
+    if model.cfg.tie_word_embeddings:
+        assert model.lm_head.weight is model.embed.weight
+    c1, c2 = _cache(ref), _cache(model)
+    toks = list(range(5, 30))
+    with torch.inference_mode():
+        a = ragged_forward(ref, c1, [0], [0], [toks], "all")
+        b = ragged_forward(model, c2, [0], [0], [toks], "all")
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_a_required_tiled_kernel_without_the_extension_is_refused(tiny_llama, monkeypatch):
+    from specbuild.engines.embedded import step
+
+    monkeypatch.setattr(step, "extension", lambda: None)
+    with pytest.raises(RuntimeError, match="linear_kernel='tiled' needs the fused extension"):
+        pack_linears_(load_model(tiny_llama), "tiled")
+    model = load_model(tiny_llama)
+    pack_linears_(model)                                    # auto without it: oneDNN where available, else aten
+    assert linear_kernel_of(model) == ("onednn" if onednn_available() else "aten")
 
 
 @needs_onednn
@@ -112,7 +180,7 @@ def test_an_int8_linear_keeps_int8_for_decode_rows_and_prefills_on_an_fp32_copy(
 
 
 def test_an_unknown_linear_kernel_is_refused(tiny_llama):
-    with pytest.raises(ValueError, match="linear_kernel must be one of auto, onednn, aten"):
+    with pytest.raises(ValueError, match="linear_kernel must be one of auto, tiled, onednn, aten"):
         pack_linears_(load_model(tiny_llama), "mkl")
 
 
@@ -122,7 +190,7 @@ def test_engine_packs_by_default_and_honours_aten_in_engine_config(tiny_llama, t
     from specbuild.engines.embedded.sampling import SamplingParams
 
     eng = Engine.from_checkpoints(tiny_llama, max_batch_size=2, max_seq_len=128)
-    assert linear_kernel_of(eng.target) == "onednn"
+    assert linear_kernel_of(eng.target) == ("tiled" if fused.extension() is not None else "onednn")
     out_packed = eng.generate("The quick brown", SamplingParams(max_tokens=6)).token_ids
 
     engine_dir = tmp_path / "engine"
@@ -159,3 +227,33 @@ def test_onednn_sees_a_bounded_set_of_row_counts():
     for m in range(40, 440, 2):
         onednn_linear(x[:m], packed, None)
     assert _rss_mb() - before < 40
+
+
+@needs_ext
+@needs_onednn
+@pytest.mark.parametrize("faster", ["tiled", "onednn"])
+def test_auto_follows_the_kernel_measured_faster_on_this_machine(tiny_llama, monkeypatch, faster):
+    from specbuild.engines.embedded import step
+
+    monkeypatch.setattr(step, "_CHOICE", {"kernel": faster, "tiled_ms": 1.0, "onednn_ms": 1.0})
+    model = load_model(tiny_llama)
+    pack_linears_(model)
+    assert linear_kernel_of(model) == faster
+    assert isinstance(model.layers[0].gate_up, TiledLinear if faster == "tiled" else PackedLinear)
+
+
+@needs_ext
+@needs_onednn
+def test_the_measured_choice_is_saved_beside_the_extension_and_read_back(monkeypatch, tmp_path):
+    from specbuild.engines.embedded import step
+
+    monkeypatch.setattr(step, "_CHOICE", None)
+    monkeypatch.setattr(fused, "build_dir", lambda: tmp_path)
+    got = step.linear_kernel_choice()
+    assert got["kernel"] in ("tiled", "onednn") and got["tiled_ms"] > 0 and got["onednn_ms"] > 0
+    assert got["kernel"] == ("tiled" if got["tiled_ms"] <= got["onednn_ms"] else "onednn")
+    assert json.loads((tmp_path / step.CHOICE_FILE).read_text())["kernel"] == got["kernel"]
+    (tmp_path / step.CHOICE_FILE).write_text(json.dumps({**got, "kernel": "onednn"}))   # read, not re-measured
+    monkeypatch.setattr(step, "_CHOICE", None)
+    monkeypatch.setattr(step, "measure_linear_kernels", lambda: pytest.fail("measured again"))
+    assert step.auto_linear_kernel() == "onednn"

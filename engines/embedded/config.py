@@ -39,7 +39,7 @@ ADAPTIVE = "adaptive"                    # Policy.k value: K chosen per step (ad
 ADAPTIVE_K = -1                          # the request-side spelling of adaptive (num_draft_tokens = -1)
 EXACT, UNSAFE_ALWAYS_ACCEPT = "exact", "unsafe-always-accept"   # acceptance rules; only "exact" is lossless
 ACCEPTANCE_RULES = (EXACT, UNSAFE_ALWAYS_ACCEPT)
-LINEAR_KERNELS = ("auto", "onednn", "aten")
+LINEAR_KERNELS = ("auto", "tiled", "onednn", "aten")
 DRAFT_KV = ("own", "shared")
 DECODE_STEPS = ("auto", "fused", "eager")  # = fused.DECODE_STEPS (this module imports no torch)
 ENGINE_FORMAT = "specbuild-embedded-engine"
@@ -145,7 +145,7 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None
     draft_kv: str = "own"                    # "shared": a self-draft attends over the target's KV cache
-    linear_kernel: str = "auto"              # "auto" | "onednn" | "aten" (kernels.py)
+    linear_kernel: str = "auto"              # "auto" | "tiled" | "onednn" | "aten" (kernels.py)
     decode_step: str = "auto"                # "auto" | "fused" | "eager" (fused.py)
     online_costs: bool = True                # adaptive K prices K with step costs measured while serving
     acceptance_rule: str = EXACT             # "exact" | "unsafe-always-accept" (deliberate fault, tests only)

@@ -35,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 from specbuild.engines.embedded.config import DECODE_STEPS  # noqa: F401
-PACKED_FP32, Q4_1, Q8_0, DENSE, INT8_ROWWISE = 0, 1, 2, 3, 4
+PACKED_FP32, Q4_1, Q8_0, DENSE, INT8_ROWWISE, TILED_FP32 = 0, 1, 2, 3, 4, 5
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 _EXT = None                    # the loaded module
 _WHY: str | None = None        # why it is not loaded (None: not tried yet, or loaded)
@@ -168,6 +168,14 @@ def build(progress=print) -> bool:
             progress(f"fused decode step: the {scheme} kernel disagrees with PyTorch here; not used")
             _EXT, _WHY = None, f"the {scheme} kernel disagreed with PyTorch when probed"
             return False
+    lin = torch.randn(40, 64, generator=gen)
+    xs = torch.randn(9, 64, generator=gen)
+    got = ext.tiled_linear(xs, lin, torch.empty(0))
+    if not torch.allclose(got, xs @ lin.T, rtol=1e-4, atol=1e-4) or \
+            not torch.equal(ext.tiled_linear(xs[4:5], lin, torch.empty(0)), got[4:5]):
+        progress("fused decode step: the tiled fp32 kernel disagrees with PyTorch here; not used")
+        _EXT, _WHY = None, "the tiled fp32 kernel disagreed with PyTorch when probed"
+        return False
     progress(f"fused decode step: built and checked in {time.perf_counter() - t0:.0f} s ({build_dir()})")
     return True
 

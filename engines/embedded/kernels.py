@@ -1,9 +1,17 @@
-"""CPU linear kernels: fp32 linears on oneDNN with the weight reordered once at load.
+"""CPU linear kernels for fp32 linears: the fused extension's tiled kernel (`TiledLinear`, csrc/fused.cpp) and
+oneDNN with the weight reordered once at load (`PackedLinear`); `step.pack_linears_` puts a model on whichever
+measured faster on the machine it runs on (`step.auto_linear_kernel`).
+
+Tiled, measured on the 2-core AMD EPYC (AVX2, no AVX-512; torch 2.13.0+cpu, oneDNN 3.12, 2 threads), 30 distinct
+weights streamed from memory, time ÷ oneDNN's: 1 row 0.59-0.81×, 2-4 rows 0.50-0.87×, 9 rows 0.69-0.93×, 72 rows
+0.70-0.98× (qkv, down, gate_up, lm_head shapes). One row reads a weight at 21-24 GB/s where oneDNN reads 13-18 and
+a plain sum 25-28. It keeps the checkpoint's own weight (no reordered copy; a tied lm_head stays the embedding).
 
 Why: PyTorch's default fp32 linear on CPU (MKL sgemm) is fast for one row (it becomes a GEMV) but packs the
 whole weight on every call with 2+ rows, so a verify of K+1 positions, a batch of 8 decode rows or the lm_head
 cost 2-4x a single-row step. oneDNN with a pre-reordered weight ("packed") streams it once at any row count.
-Measured on the 2-core AVX2 VM (torch 2.13.0+cpu, MKL 2024.2, oneDNN 3.12, 2 threads, µs per call, median):
+oneDNN against aten, measured on the 2-core AVX2 VM (torch 2.13.0+cpu, MKL 2024.2, oneDNN 3.12, 2 threads, µs per
+call, median):
 
 | weight [out, in] | 1 row: aten / packed | 2 rows | 8 rows | 256 rows |
 |---|---|---|---|---|
@@ -32,7 +40,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-LINEAR_KERNELS = ("auto", "onednn", "aten")
+LINEAR_KERNELS = ("auto", "tiled", "onednn", "aten")
 _PROBE: bool | None = None
 
 
@@ -80,6 +88,35 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=onednn-packed"
 
 
+class TiledLinear(nn.Module):
+    """`nn.Linear` (fp32, CPU) on the fused extension's tiled kernel (csrc/fused.cpp `tiled_gemm`): the layer's own
+    weight (no copy; a tied lm_head stays the embedding), every output one fixed chain of fmas, so rows are
+    batch-invariant at any row count up to `TILED_MAX_ROWS` (128: every decode and verify step of an engine with
+    max_batch_size x (max_draft_len + 1) <= 128); more rows (a prefill chunk) go to ATen's linear.
+
+    Why not oneDNN for decode rows: on the 2-core AMD EPYC (AVX2) oneDNN's fp32 linear streams a weight at 13-18
+    GB/s at 1 row where a plain sum reads 25-28; the tiled kernel reads it at 21-24 and is also faster at 2-72 rows
+    (the table in bench/README.md, "Linears"). `ext` is the loaded extension (step.pack_linears_ passes it)."""
+
+    def __init__(self, linear: nn.Linear, ext):
+        super().__init__()
+        self.weight = linear.weight                     # the same Parameter: shared with a tied embedding
+        self.bias = linear.bias
+        self.out_features, self.in_features = self.weight.shape
+        self._ext = ext
+        self._none = torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        w = self.weight.detach()
+        b = self._none if self.bias is None else self.bias.detach()
+        y = self._ext.tiled_linear(x.reshape(-1, self.in_features).float(), w, b)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=tiled"
+
+
 def onednn_available() -> bool:
     """True when the packed oneDNN linear exists here and matches `F.linear` (probed once per process)."""
     global _PROBE
@@ -100,4 +137,4 @@ def onednn_available() -> bool:
     return _PROBE
 
 
-__all__ = ["LINEAR_KERNELS", "PackedLinear", "onednn_available", "onednn_linear", "row_bucket"]
+__all__ = ["LINEAR_KERNELS", "PackedLinear", "TiledLinear", "onednn_available", "onednn_linear", "row_bucket"]

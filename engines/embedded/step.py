@@ -1,42 +1,68 @@
-"""How a model's layers run on this machine: its fp32 linears packed for oneDNN (`pack_linears_`), and its decode
-step on the fused extension (`runner_for`) when every layer is of a kind the extension runs.
+"""How a model's layers run on this machine: its fp32 linears on the faster of the fused extension's tiled kernel
+and oneDNN, as measured here (`pack_linears_`, `auto_linear_kernel`), and its decode step on the fused extension
+(`runner_for`) when every layer is of a kind the extension runs.
 
 Numerics stand in one direction: `model` (config, forward) -> `weights` (loading) -> `quant` (quantized linears)
--> `step` (this: the kernels a model's layers get) -> `kernels` (oneDNN) / `fused` (the C++ extension) ->
+-> `step` (this: the kernels a model's layers get) -> `kernels` (tiled, oneDNN) / `fused` (the C++ extension) ->
 `blocks` (block formats). `model` reaches this module only from inside its forward, by a local import."""
 
 from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
 
 import torch
 from torch import nn
 
 from specbuild.engines.embedded import fused
-from specbuild.engines.embedded.fused import DENSE, INT8_ROWWISE, PACKED_FP32, extension
-from specbuild.engines.embedded.kernels import LINEAR_KERNELS, PackedLinear, onednn_available
+from specbuild.engines.embedded.fused import DENSE, INT8_ROWWISE, PACKED_FP32, TILED_FP32, extension
+from specbuild.engines.embedded.kernels import LINEAR_KERNELS, PackedLinear, TiledLinear, onednn_available
 from specbuild.engines.embedded.quant import BlockLinear, Int8Linear, dequantize_weight
+
+log = logging.getLogger(__name__)
+CHOICE_FILE = "linear_kernel.json"      # in fused.build_dir(): the fp32 kernel measured fastest on this machine
+_CHOICE: dict | None = None
 
 
 def pack_linears_(model: nn.Module, kernel: str = "auto") -> int:
-    """Swap every fp32 CPU `nn.Linear` of `model` for a `PackedLinear`; -> how many were swapped.
+    """Put every fp32 CPU `nn.Linear` of `model` on a faster kernel; -> how many were swapped.
 
-    kernel: "auto" (oneDNN when available, else aten), "onednn" (required: raises if unavailable), "aten" (no-op).
+    kernel: "auto" (whichever of the fused extension's tiled kernel and oneDNN measured faster here, see
+    `auto_linear_kernel`; oneDNN without the extension; aten without either),
+    "tiled" / "onednn" (required: raises if unavailable), "aten" (no-op). Tiled layers keep their own weight
+    (`kernels.TiledLinear`); oneDNN ones hold a reordered copy (`kernels.PackedLinear`).
     An `Int8Linear` keeps its int8 kernel for decode rows and gets an fp32 oneDNN copy for prefill-sized inputs
     (`Int8Linear.prefill_min_rows`). Other layers (bf16, CUDA) are left alone."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
     if kernel == "aten":
         return 0
-    if not onednn_available():
+    ext = extension() if kernel in ("auto", "tiled") else None
+    if kernel == "tiled" and ext is None:
+        raise RuntimeError(f"linear_kernel='tiled' needs the fused extension, which is not loaded here "
+                           f"({fused._WHY}); run `make setup`, or use linear_kernel 'auto'.")
+    if kernel == "auto" and ext is not None and auto_linear_kernel() != "tiled":
+        ext = None                                             # oneDNN measured faster on this machine
+    todo = [(name, m) for name, m in model.named_modules()
+            if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    if ext is not None:
+        todo = [(n, m) for n, m in todo if m.in_features % 8 == 0 and m.weight.is_contiguous()]
+        wrap = lambda m: TiledLinear(m, ext)  # noqa: E731
+    elif onednn_available():
+        wrap = PackedLinear
+    else:
         if kernel == "onednn":
             raise RuntimeError("linear_kernel='onednn' but this torch build has no working oneDNN packed linear "
                                "(torch.ops.mkldnn._linear_pointwise); use linear_kernel='aten'.")
         return 0
-    todo = [(name, m) for name, m in model.named_modules()
-            if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     for name, m in todo:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(m))
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, wrap(m))
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear) and m.qweight.device.type == "cpu"]
+    if not onednn_available():
+        int8 = []
     for m in int8:
         # Decode rows stay on the int8 kernel; a prompt's prefill (many rows) runs on an fp32 oneDNN copy of the
         # dequantized weight (int8 at 128 rows: 7.2 ms vs 3.0 ms for gate_up here; a draft's prefill of a
@@ -47,9 +73,92 @@ def pack_linears_(model: nn.Module, kernel: str = "auto") -> int:
     return len(todo) + len(int8)
 
 
+def auto_linear_kernel() -> str:
+    """The kernel linear_kernel "auto" puts fp32 linears on here: the faster of "tiled" and "onednn" as measured on
+    this machine (`measure_linear_kernels`, once, cached beside the extension), "onednn" without the extension,
+    "aten" without either."""
+    if extension() is None:
+        return "onednn" if onednn_available() else "aten"
+    if not onednn_available():
+        return "tiled"
+    return linear_kernel_choice()["kernel"]
+
+
+def linear_kernel_choice() -> dict:
+    """{"kernel", "tiled_ms", "onednn_ms", ...}: read from the extension's build dir, else measured now and saved."""
+    global _CHOICE
+    if _CHOICE is not None:
+        return _CHOICE
+    path = fused.build_dir() / CHOICE_FILE
+    try:
+        got = json.loads(path.read_text())
+        if got.get("kernel") in ("tiled", "onednn"):
+            _CHOICE = got
+            return got
+    except (OSError, ValueError):
+        pass
+    _CHOICE = measure_linear_kernels()
+    log.info("fp32 linears: %s (measured here: tiled %.2f ms, oneDNN %.2f ms)", _CHOICE["kernel"],
+             _CHOICE["tiled_ms"], _CHOICE["onednn_ms"])
+    try:
+        from specbuild.core.manifest import atomic_write_text
+
+        atomic_write_text(path, json.dumps(_CHOICE, indent=2) + "\n")
+    except OSError as e:                       # a read-only cache: measured again by the next process
+        log.info("could not save %s: %s", path, e)
+    return _CHOICE
+
+
+def measure_linear_kernels(reps: int = 5) -> dict:
+    """Time the tiled kernel and oneDNN's packed linear on this machine, round-robin, on decode-shaped work: 12
+    distinct 3072 x 576 fp32 weights (85 MB: more than a last-level cache, so they stream from memory as a model's
+    layers do) at 1 row (a decode step) and 9 rows (a verify of K = 8). -> the faster ("tiled" on a tie: it keeps
+    no second copy of the weights) with both medians. Not by vendor or ISA: the AVX2 tiled kernel read weights at
+    21-24 GB/s where oneDNN read 13-18 on a 2-core AMD EPYC (bench/README.md, "Linears")."""
+    from specbuild.engines.embedded.kernels import onednn_linear
+
+    ext = extension()
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(3072, 576, generator=gen) for _ in range(12)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+    xs = [torch.randn(m, 576, generator=gen) for m in (1, 9)]
+    none = torch.empty(0)
+
+    def tiled():
+        for x in xs:
+            for w in ws:
+                ext.tiled_linear(x, w, none)
+
+    def onednn():
+        for x in xs:
+            for p in packed:
+                onednn_linear(x, p, None)
+
+    times: dict = {"tiled": [], "onednn": []}
+    with torch.inference_mode():
+        tiled(), onednn()                                          # warm-up
+        for _ in range(reps):
+            for name, fn in (("tiled", tiled), ("onednn", onednn)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    t, o = statistics.median(times["tiled"]) * 1e3, statistics.median(times["onednn"]) * 1e3
+    from specbuild.core.machine import describe
+
+    return {"kernel": "tiled" if t <= o else "onednn", "tiled_ms": round(t, 3), "onednn_ms": round(o, 3),
+            "work": "12 x [3072, 576] fp32 weights at 1 and 9 rows", "reps": reps, "threads": torch.get_num_threads(),
+            "machine": describe()}
+
+
 def linear_kernel_of(model: nn.Module) -> str:
-    """"onednn" if any linear of `model` is packed, else "aten" (what a manifest or a benchmark records)."""
-    return "onednn" if any(isinstance(m, PackedLinear) for m in model.modules()) else "aten"
+    """"tiled" / "onednn" when the model's fp32 linears run on that kernel, else "aten" (what a manifest, a
+    calibration or a benchmark records)."""
+    for m in model.modules():
+        if isinstance(m, TiledLinear):
+            return "tiled"
+        if isinstance(m, PackedLinear):
+            return "onednn"
+    return "aten"
 
 
 def _linear(ext, mod: nn.Module):
@@ -57,6 +166,9 @@ def _linear(ext, mod: nn.Module):
     none = torch.empty(0)
     bias = getattr(mod, "bias", None)
     bias = none if bias is None else bias.detach().float().contiguous()
+    if isinstance(mod, TiledLinear):
+        return ext.make_linear(TILED_FP32, mod.weight.detach(), none, none, none, bias, none, 1 << 30,
+                               mod.out_features, mod.in_features)
     if isinstance(mod, PackedLinear):
         return ext.make_linear(PACKED_FP32, mod.packed, none, none, none, bias, none, 1 << 30,
                                mod.out_features, mod.in_features)
@@ -127,3 +239,21 @@ def _make_runner(ext, model, cache):
         r.add_layer(layer.input_norm.weight.detach().float().contiguous(),
                     layer.post_norm.weight.detach().float().contiguous(), *lins)
     return r
+
+
+def main() -> int:
+    """`python -m specbuild.engines.embedded.step`: measure (or read) which fp32 linear kernel "auto" uses here."""
+    if extension() is None:
+        print(f"fp32 linears: {auto_linear_kernel()} (the fused extension is not built: {fused._WHY})")
+        return 0
+    if not onednn_available():
+        print("fp32 linears: tiled (no oneDNN packed linear in this torch build)")
+        return 0
+    c = linear_kernel_choice()
+    print(f"fp32 linears: {c['kernel']} (measured on this machine: tiled {c['tiled_ms']:.2f} ms, oneDNN "
+          f"{c['onednn_ms']:.2f} ms for {c['work']}; {fused.build_dir() / CHOICE_FILE})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,8 +4,9 @@
 //
 // Why: a decode step of a small model in eager PyTorch is ~750 ATen calls from Python (norms, RoPE, cache
 // writes, attention, activations: ~15-20 us each of dispatch around microseconds of work). Here one call runs
-// every layer: the linears still go to oneDNN (fp32, weights reordered once) or to the block kernels below, the
-// rest are plain loops over the rows, with the GIL released for the whole forward.
+// every layer: the fp32 linears go to the tiled kernel below (or oneDNN, where it measured faster: step.py), the
+// quantized ones to the block kernels below, the rest are plain loops over the rows, with the GIL released for the
+// whole forward.
 //
 // Rows are ragged: row r is token r of some sequence, written to KV-cache slot `slots[r]` at position `pos[r]`,
 // attending to positions 0..pos[r] of that slot. Every row's K/V of a layer is written before that layer's
@@ -170,8 +171,77 @@ void block_gemm(int kind, const float* x, int64_t M, int64_t K, const void* qs, 
   });
 }
 
+// ---- fp32 linears on the fused step's own tiled kernel -----------------------------------------------------
+// y[M, N] = x[M, K] @ W^T for a plain row-major fp32 W [N, K] (the checkpoint's own tensor, no copy), K % 8 == 0.
+// Every output is ONE chain of fmas over k in 8-float vectors, then hsum8: the same order whatever tile computes
+// it, so a row's result is bitwise the same for any number of rows in the call (batch invariance, any M).
+// Tiles of 12 accumulators (x rows x weight rows: 3x4, and 1x12 / 2x6 for a remainder; 12 independent chains
+// hide the fma latency). Measured on the 2-core AMD EPYC (AVX2, no AVX-512) against oneDNN's packed fp32 linear,
+// 2 threads, 30 distinct weights streamed: 1 row 0.59-0.81x its time (21-24 GB/s against oneDNN's 13-18), 9 rows
+// 0.69-0.93x, 72 rows 0.70-0.98x (bench/README.md, "Linears").
+template <int XR, int WR>
+inline void tile_fp32(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m256 acc[XR][WR];
+  for (int i = 0; i < XR; i++)
+    for (int j = 0; j < WR; j++) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xv[XR];
+    for (int i = 0; i < XR; i++) xv[i] = _mm256_loadu_ps(x + i * K + k);
+    for (int j = 0; j < WR; j++) {
+      const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+      for (int i = 0; i < XR; i++) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < XR; i++)
+    for (int j = 0; j < WR; j++) y[i * ldy + j] = hsum8(acc[i][j]);
+}
+
+template <int XR, int WT>
+void tiles_fp32(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + WT <= n1; n += WT) tile_fp32<XR, WT>(x, K, w + n * K, y + n, N);
+  for (; n < n1; n++) tile_fp32<XR, 1>(x, K, w + n * K, y + n, N);
+}
+
+// Weight rows in blocks of 12, each read from memory once and then from L1 by every x tile: x rows 3 at a time
+// on 3x4 tiles (12 accumulators + 3 x + 1 w vectors: the 16 registers of AVX2), a remainder of 1 or 2 rows on 1x12
+// or 2x6 tiles, so every tile keeps 12 independent chains in flight.
+void gemm_fp32(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t nb = n0; nb < n1; nb += 12) {
+    const int64_t ne = std::min(n1, nb + 12);
+    int64_t r = 0;
+    for (; r + 3 <= M; r += 3) tiles_fp32<3, 4>(x + r * K, K, w, y + r * N, N, nb, ne);
+    if (M - r == 1) tiles_fp32<1, 12>(x + r * K, K, w, y + r * N, N, nb, ne);
+    else if (M - r == 2) tiles_fp32<2, 6>(x + r * K, K, w, y + r * N, N, nb, ne);
+  }
+}
+
+// More rows than this (a prompt's prefill chunk) go to ATen's linear (MKL packs W per call: cheap against 128+
+// rows of compute); decode and verify steps (max_batch_size x (K + 1) rows) stay on the tiled kernel.
+constexpr int64_t TILED_MAX_ROWS = 128;
+
+void tiled_gemm(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N) {
+  at::parallel_for(0, (N + 11) / 12, 4, [&](int64_t b0, int64_t b1) {      // threads split whole 12-row blocks
+    const int64_t n0 = b0 * 12, n1 = std::min(N, b1 * 12);
+    gemm_fp32(x, M, K, w, y, N, n0, n1);
+    if (bias)
+      for (int64_t r = 0; r < M; r++)
+        for (int64_t n = n0; n < n1; n++) y[r * N + n] += bias[n];
+  });
+}
+
+torch::Tensor tiled_linear_t(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M > TILED_MAX_ROWS)
+    return at::linear(x, w, bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+  auto y = torch::empty({M, N}, x.options());
+  tiled_gemm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+             y.data_ptr<float>(), N);
+  return y;
+}
+
 // ---- one linear layer of any kind the engine holds --------------------------------------------------------
-enum Kind { PACKED_FP32 = 0, Q4_1 = 1, Q8_0 = 2, DENSE = 3, INT8_ROWWISE = 4 };
+enum Kind { PACKED_FP32 = 0, Q4_1 = 1, Q8_0 = 2, DENSE = 3, INT8_ROWWISE = 4, TILED_FP32 = 5 };
 
 // oneDNN keeps one primitive per input shape it has seen (two caches of 1024 entries, ~0.5 MB each): ragged
 // batches would show it a new row count at every other step and grow the process for hours. So a oneDNN linear
@@ -219,6 +289,7 @@ struct Linear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {   // x [M, K] float32 contiguous -> [M, N]
     const int64_t M = x.size(0);
+    if (kind == TILED_FP32) return tiled_linear_t(x, w, bias);
     if (kind == PACKED_FP32 || (prefill.defined() && M >= prefill_min_rows))
       return onednn_linear(x, kind == PACKED_FP32 ? w : prefill, bias);
     if (kind == Q4_1 || kind == Q8_0) {
@@ -243,6 +314,9 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
   l.kind = kind; l.w = opt(w); l.qs = opt(qs); l.d = opt(d); l.m = opt(m); l.bias = opt(bias); l.prefill = opt(prefill);
   l.prefill_min_rows = prefill_min_rows; l.N = N; l.K = K;
   TORCH_CHECK((kind != Q4_1 && kind != Q8_0) || K % QK == 0, "block-quantized linear needs in_features % 32 == 0");
+  TORCH_CHECK(kind != TILED_FP32 || (K % 8 == 0 && l.w.defined() && l.w.is_contiguous() &&
+                                     l.w.scalar_type() == torch::kFloat32),
+              "tiled fp32 linear needs a contiguous fp32 weight with in_features % 8 == 0");
   return l;
 }
 
@@ -422,6 +496,16 @@ torch::Tensor block_linear(int64_t kind, torch::Tensor x, torch::Tensor qs, torc
   return y;
 }
 
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
+              w.dim() == 2 && x.size(1) == w.size(1) && w.size(1) % 8 == 0 && w.is_contiguous(),
+              "tiled_linear: x [M, K] and a contiguous W [N, K], fp32, K % 8 == 0");
+  x = x.contiguous();
+  const torch::Tensor b = bias.defined() && bias.numel() ? bias.contiguous() : torch::Tensor();
+  py::gil_scoped_release nogil;
+  return tiled_linear_t(x, w, b);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -429,6 +513,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   py::class_<Linear>(mod, "Linear");
   mod.def("make_linear", &make_linear);
   mod.def("block_linear", &block_linear, "y = x @ W^T (+ bias) for a Q4_1 (kind 1) / Q8_0 (kind 2) W");
+  mod.def("tiled_linear", &tiled_linear, "y = x @ W^T (+ bias) for a plain fp32 W on the tiled kernel");
+  mod.attr("TILED_MAX_ROWS") = TILED_MAX_ROWS;
   py::class_<Runner>(mod, "Runner")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
