@@ -257,3 +257,20 @@ def test_the_measured_choice_is_saved_beside_the_extension_and_read_back(monkeyp
     monkeypatch.setattr(step, "_CHOICE", None)
     monkeypatch.setattr(step, "measure_linear_kernels", lambda: pytest.fail("measured again"))
     assert step.auto_linear_kernel() == "onednn"
+
+
+@needs_onednn
+def test_the_roofline_counts_what_a_step_streams_whatever_the_kernel(tiny_llama):
+    """A step reads every layer's weights and the lm_head, not the embedding table (one row per token): with the
+    tied lm_head on its own tensor that is the model's bytes; with oneDNN's reordered copy, the copy and not the
+    table."""
+    ref = load_model(tiny_llama)
+    emb = ref.embed.weight.numel() * 4
+    if ref.cfg.tie_word_embeddings:
+        assert ref.step_bytes() == ref.num_bytes()
+    else:
+        assert ref.step_bytes() == ref.num_bytes() - emb
+    packed = load_model(tiny_llama)
+    pack_linears_(packed, "onednn")
+    assert packed.step_bytes() == packed.num_bytes() - emb
+    assert packed.step_bytes() == ref.step_bytes()              # the same weights stream, in another layout

@@ -226,6 +226,14 @@ class Transformer(nn.Module):
                 total += t.numel() * t.element_size()
         return total + sum(getattr(m, "packed_nbytes", 0) for m in self.modules())   # kernels.PackedLinear
 
+    def step_bytes(self) -> int:
+        """Bytes one decode step streams (a roofline's numerator): every weight but the embedding table, of which a
+        step reads one row per token, unless the lm_head computes on that very tensor (tied and not repacked)."""
+        emb = self.embed.weight
+        lm_w = getattr(self.lm_head, "weight", None)
+        shared = isinstance(lm_w, torch.Tensor) and lm_w.data_ptr() == emb.data_ptr()
+        return self.num_bytes() - (0 if shared else emb.numel() * emb.element_size())
+
 
 @torch.inference_mode()
 def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int], rows: list[list[int]],
