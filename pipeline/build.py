@@ -89,12 +89,13 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
           trtllm_version: str | None = None, max_input_len: int | None = None, max_num_tokens: int | None = None,
           use_draft_logits: bool = False, tp: int = 1, pp: int = 1, container_tag: str | None = None,
           adaptive_k: bool | None = None, spec_max_concurrency: int | None = None, crossover: bool = True,
-          trtllm_generation: str | None = None, rehearse: bool = False,
+          trtllm_generation: str | None = None, rehearse: bool = False, draft_activations: str | None = None,
           progress: Callable[[str], None] | None = None) -> BuildResult:
     """Build `<workdir>/engines/` from `<workdir>/checkpoints/` with the chosen backend.
 
     `num_draft_tokens=None` makes the calibrated K the default K (embedded); `draft_quantize="int8"` stores the
     draft as int8 weight-only (with a draft == target checkpoint this is the demo "int8 self-draft").
+    `draft_activations` ("fp32" | "int8", default int8 for an int4 draft): a block draft's activations.
     `adaptive_k` lets each sequence choose its K from its own acceptance (requests may also send
     num_draft_tokens=-1); `spec_max_concurrency` switches drafting off while more sequences run.
     Defaults (embedded, calibrated): adaptive K unless `num_draft_tokens` fixes one, and `spec_max_concurrency`
@@ -116,6 +117,10 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
         options["adaptive_k"] = bool(adaptive_k)
     if not crossover:
         options["crossover"] = False
+    if draft_activations is not None:   # only when set: the default (int8 for an int4 draft) keeps its fingerprint
+        if draft_activations not in ("fp32", "int8"):
+            raise UsageError(f"unknown --draft-activations {draft_activations!r}; choose fp32 or int8.")
+        options["draft_activations"] = draft_activations
     if spec_max_concurrency is not None:
         options["spec_max_concurrency"] = spec_max_concurrency
     if (trtllm_generation or rehearse) and backend != "trtllm":

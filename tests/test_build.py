@@ -137,6 +137,7 @@ def test_int4_self_draft_build(tmp_path, tiny_llama):
     out = tmp_path / "engines"
     cfg = json.loads((out / "engine_config.json").read_text())
     assert cfg["draft_format"] == "int4-blocks" and cfg["draft_quantize"] == "int4" and cfg["draft_kv"] == "shared"
+    assert cfg["draft_activations"] == "int8"                  # the default for an int4 draft
     assert (out / "draft" / "model.int4.safetensors").is_file()
     draft = result.manifest["outputs"]["draft"]
     assert draft["scheme"] == "int4" and 0.0 <= draft["exact_fraction"] < 1.0
@@ -144,10 +145,14 @@ def test_int4_self_draft_build(tmp_path, tiny_llama):
         0.5 * (out / "target" / "model.safetensors").stat().st_size
     engine = Engine.from_build_dir(out, policy=Policy(k=3))
     assert isinstance(engine.draft.layers[0].qkv, BlockLinear) and engine.draft.lm_head.scheme == "q8_0"
+    assert engine.draft.layers[0].qkv.activations == "int8"
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     plain = engine.generate("The quick brown fox", params, num_draft_tokens=0)
     spec = engine.generate("The quick brown fox", params, num_draft_tokens=3, proposer="draft")
     assert spec.token_ids == plain.token_ids and spec.stats.num_draft_tokens > 0
+    build(workdir=tmp_path, draft_quantize="int4", calibrate=False, num_draft_tokens=3, draft_activations="fp32",
+          **SMALL)                                             # a changed option rebuilds
+    assert json.loads((out / "engine_config.json").read_text())["draft_activations"] == "fp32"
 
 
 def test_ngram_build_explicit_k_wins_over_calibration(tmp_path, tiny_llama, tiny_llama_draft):

@@ -74,6 +74,30 @@ def test_block_kernel_computes_what_the_dequantized_linear_computes(scheme, rows
         assert torch.equal(alone[0], got[r]), r
 
 
+@needs_ext
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+def test_int8_activations_approximate_the_linear_and_keep_rows_independent(scheme, rows):
+    """The draft's integer kernels (x rounded to 8 bits per block of 32): close to the dequantized linear, not
+    equal to it (another computation), and a row's output does not depend on the other rows."""
+    gen = torch.Generator().manual_seed(100 + rows)
+    lin = torch.nn.Linear(576, 72, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(72, 576, generator=gen) * 0.05)
+    q, _ = BlockLinear.from_linear(lin, scheme)
+    x = torch.randn(rows, 576, generator=gen)
+    ref = torch.nn.functional.linear(x, q.dense_weight(), lin.bias)
+    fp32 = fused.block_linear(q.kind, x, q.qs, q.d, q.m, q.bias, 72)
+    q.activations = "int8"
+    assert q.kernel_kind == q.kind + 5
+    got = q(x)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 0.03, rel                                  # 8-bit x: ~1 % here; fp32 activations ~1e-7
+    assert not torch.equal(got, fp32)
+    for r in range(rows):
+        assert torch.equal(q(x[r:r + 1].clone())[0], got[r]), r
+
+
 # ---- the fused layers against eager PyTorch ------------------------------------------------------------------
 @needs_ext
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
@@ -118,11 +142,12 @@ def test_a_required_fused_step_that_is_missing_is_refused(tiny_llama, monkeypatc
 
 
 # ---- the int4 self-draft ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("draft_kv", ["shared", "own"])
-def test_an_int4_self_draft_is_lossless(tiny_llama, draft_kv):
+@pytest.mark.parametrize("draft_kv,activations", [("shared", "fp32"), ("own", "fp32"), ("shared", "int8")])
+def test_an_int4_self_draft_is_lossless(tiny_llama, draft_kv, activations):
     eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=192, draft_kv=draft_kv,
-                                  draft_quantize="int4", online_costs=False)
+                                  draft_quantize="int4", online_costs=False, draft_activations=activations)
     assert any(isinstance(m, BlockLinear) for m in eng.draft.modules())
+    assert all(m.activations == activations for m in eng.draft.modules() if isinstance(m, BlockLinear))
     assert isinstance(eng.draft.lm_head, BlockLinear) and eng.draft.lm_head.scheme == "q8_0"
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]

@@ -82,7 +82,14 @@ def _engine_config(opts: dict[str, Any], *, has_draft: bool, policy: Policy, cal
         draft_quantize=opts["draft_quantize"] if has_draft else None, tokenizer="tokenizer",
         max_batch_size=opts["max_batch_size"], max_seq_len=opts["max_seq_len"], max_draft_len=opts["max_draft_len"],
         dtype=opts["dtype"], device=opts["device"], threads=opts["threads"],
-        draft_kv=opts.get("draft_kv", "own") if has_draft else "own", calibration=calibration, policy=policy)
+        draft_kv=opts.get("draft_kv", "own") if has_draft else "own", calibration=calibration, policy=policy,
+        draft_activations=draft_activations(opts) if has_draft else "fp32")
+
+
+def draft_activations(opts: dict[str, Any]) -> str:
+    """--draft-activations, else "int8" for an int4 (block) draft — its integer kernels cost about a third less
+    per step on AVX2 and acceptance falls a little (bench/README.md) — and "fp32" for any other."""
+    return opts.get("draft_activations") or ("int8" if opts.get("draft_quantize") == "int4" else "fp32")
 
 
 def _policy(opts: dict[str, Any], calibration: dict | None, default_k: int) -> Policy:
@@ -238,7 +245,8 @@ def run(ctx: StageContext) -> StageResult:
         bar.close()
     d = engine_cfg.to_dict()
     outputs["engine"] = {**{k: d[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype", "device",
-                                             "threads", "draft_quantize", "linear_kernel", "draft_kv")},
+                                             "threads", "draft_quantize", "linear_kernel", "draft_kv",
+                                             "draft_activations")},
                          "policy": d["policy"], "policy_described": engine_cfg.policy.describe(),
                          "decode_step": engine.decode_step}
     return StageResult(outputs=outputs, checks=checks, extra={"calibration": calibration} if calibration else {})
@@ -268,6 +276,7 @@ def _calibrate(ctx: StageContext, engine, opts: dict[str, Any], *, has_draft: bo
     calibration = cal.to_dict()
     calibration["linear_kernel"] = linear_kernel_of(engine.target)     # what the costs were measured on
     calibration["decode_step"] = decode_step_of(engine.target, engine.scorer.cache)
+    calibration["draft_activations"] = engine.config.draft_activations
     if opts["num_draft_tokens"] is None:
         default_k = cal.recommended_k
     if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:

@@ -41,6 +41,7 @@ EXACT, UNSAFE_ALWAYS_ACCEPT = "exact", "unsafe-always-accept"   # acceptance rul
 ACCEPTANCE_RULES = (EXACT, UNSAFE_ALWAYS_ACCEPT)
 LINEAR_KERNELS = ("auto", "tiled", "onednn", "aten")
 DRAFT_KV = ("own", "shared")
+DRAFT_ACTIVATIONS = ("fp32", "int8")     # a block-quantized draft's activations (quant.BlockLinear)
 DECODE_STEPS = ("auto", "fused", "eager")  # = fused.DECODE_STEPS (this module imports no torch)
 ENGINE_FORMAT = "specbuild-embedded-engine"
 ENGINE_SCHEMA = 2                        # 2: `policy` object (1: loose adaptive_k / spec_max_concurrency keys)
@@ -145,6 +146,7 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None
     draft_kv: str = "own"                    # "shared": a self-draft attends over the target's KV cache
+    draft_activations: str = "fp32"          # "int8": a block-quantized draft rounds x to 8 bits (cheaper, approximate)
     linear_kernel: str = "auto"              # "auto" | "tiled" | "onednn" | "aten" (kernels.py)
     decode_step: str = "auto"                # "auto" | "fused" | "eager" (fused.py)
     online_costs: bool = True                # adaptive K prices K with step costs measured while serving
@@ -162,7 +164,8 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use one of {DTYPES}.")
         for name, allowed in (("acceptance_rule", ACCEPTANCE_RULES), ("linear_kernel", LINEAR_KERNELS),
-                              ("draft_kv", DRAFT_KV), ("decode_step", DECODE_STEPS)):
+                              ("draft_kv", DRAFT_KV), ("decode_step", DECODE_STEPS),
+                              ("draft_activations", DRAFT_ACTIVATIONS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is unknown; use one of {allowed}"
                                   + (" (\"exact\" is the only lossless one)." if name == "acceptance_rule" else "."))

@@ -22,7 +22,11 @@ Notes on the config fields the engine acts on:
   accepted tokens: it feeds only [last, d1..] at positions the next verify overwrites, so the target's cache
   stays the target's and the output is unchanged. `build` writes "shared" when the draft checkpoint's weights
   are the target's; `from_checkpoints` shares when draft_dir is target_dir.
-- `linear_kernel` ("auto", "onednn", "aten"): see kernels.py.
+- `linear_kernel` ("auto", "tiled", "onednn", "aten"): see kernels.py and step.py.
+- `draft_activations` ("fp32", "int8"): a block-quantized draft (int4) on the extension's integer kernels rounds
+  its activations to 8 bits per block of 32 (llama.cpp's Q8_1 scheme): its step costs about a third less and it
+  is no longer the target's exact arithmetic, so acceptance falls a little (measured in bench/README.md). The
+  output is the target's either way: verify decides every token. `build` writes "int8" for an int4 draft.
 - `online_costs` (default true): adaptive K prices K with the step costs the engine measures while serving
   (adaptive.OnlineCosts), falling back to the build's calibration until it has seen enough steps.
 - `acceptance_rule`: "exact" (default, lossless) or "unsafe-always-accept", a DELIBERATE FAULT that accepts
@@ -165,6 +169,10 @@ class Engine:
                 raise SourceError(f"draft vocab_size {draft.cfg.vocab_size} != target vocab_size "
                                   f"{target.cfg.vocab_size}; the draft must share the target's tokenizer.")
             pack_linears_(draft, cfg.linear_kernel)
+            if cfg.draft_activations == "int8":
+                from specbuild.engines.embedded.quant import set_block_activations_
+
+                set_block_activations_(draft, "int8")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(path(cfg.tokenizer or cfg.target)))

@@ -105,12 +105,27 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
+def set_block_activations_(model: nn.Module, activations: str) -> int:
+    """Run every BlockLinear of `model` with "fp32" or "int8" activations (EngineConfig.draft_activations);
+    -> how many. "int8" takes effect on the fused extension's kernels (without them: fp32, the dense fallback)."""
+    if activations not in ("fp32", "int8"):
+        raise UsageError(f"draft activations must be fp32 or int8, got {activations!r}")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, BlockLinear):
+            m.activations = activations
+            n += 1
+    return n
+
+
 class BlockLinear(nn.Module):
     """Drop-in for ``nn.Linear`` with Q4_1 (``qs`` uint8) or Q8_0 (``qs`` int8) block weights; fp32 activations.
     Runs on the fused extension's kernel; without it (or for prompt-sized inputs) on a dequantized fp32 copy made
     the first time it is needed."""
 
     prefill_min_rows = 16
+    activations = "fp32"        # "int8": x rounded to 8 bits per block on the extension's integer kernel (cheaper,
+                                # not the target's numbers: engine_config `draft_activations`; csrc/fused.cpp)
     prefill_copy = False        # keep an fp32 oneDNN copy for prompt-sized inputs (a draft with its own KV cache
                                 # prefills prompts; a self-draft sharing the target's cache never does): 8 B/weight
 
@@ -136,6 +151,11 @@ class BlockLinear(nn.Module):
         qs, d, m, fraction = quantize_blocks(linear.weight, scheme)
         return cls(qs, d, m, getattr(linear, "bias", None)), fraction
 
+    @property
+    def kernel_kind(self) -> int:
+        """The extension's kind: Q4_1 1 / Q8_0 2 with fp32 activations, Q4_1_Q8 6 / Q8_0_Q8 7 with int8 ones."""
+        return self.kind + (5 if self.activations == "int8" else 0)
+
     def dense_weight(self) -> torch.Tensor:
         if self._dense is None:
             self._dense = dequantize_blocks(self.qs, self.d, self.m, self.scheme)
@@ -156,7 +176,7 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = None
         if (x2.shape[0] < self.prefill_min_rows or not self.prefill_copy) and x2.device.type == "cpu":
-            y = block_linear(self.kind, x2, self.qs, self.d, self.m, self.bias, self.out_features)
+            y = block_linear(self.kernel_kind, x2, self.qs, self.d, self.m, self.bias, self.out_features)
         if y is None:
             packed = self.prefill_weight() if x2.device.type == "cpu" and self.prefill_copy else None
             if packed is not None:

@@ -171,6 +171,117 @@ void block_gemm(int kind, const float* x, int64_t M, int64_t K, const void* qs, 
   });
 }
 
+// ---- block weights with int8 activations (a draft's fast path: kinds Q4_1_Q8, Q8_0_Q8) ----------------------
+// As llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0 dots: each row of x is quantized per block of 32 to int8 (xd = max|x| /
+// 127, xq = round(x / xd)), the block dot runs in integers (maddubs: u8 x s8 pairs into s16, then s32: no overflow,
+// |q| <= 15 or 127, |xq| <= 127), and  sum_b  d_b xd_b <q_b, xq_b> (+ m_b * sum(x_b), exact fp32, for Q4_1).
+// A dequantize-then-fma block costs ~22 instructions per 32 weights on AVX2; this one ~10. Not the target's numbers:
+// x is rounded to 8 bits, so a draft on it is an approximation of the target (its acceptance is measured; verify
+// keeps the output exact). Each output's sums run in one fixed order: a row's result does not depend on the others.
+struct QRow {                      // one quantized row of x: K int8, and per block its scale and (exact) sum
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+inline void quantize_row_q8(const float* x, int64_t K, QRow& out) {
+  const int64_t nb = K / QK;
+  out.q.resize(K); out.d.resize(nb); out.s.resize(nb);
+  for (int64_t b = 0; b < nb; b++) {
+    const float* xb = x + b * QK;
+    float amax = 0.f, sum = 0.f;
+    for (int i = 0; i < QK; i++) { amax = std::max(amax, std::fabs(xb[i])); sum += xb[i]; }
+    const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
+    out.d[b] = d; out.s[b] = sum;
+    for (int i = 0; i < QK; i++) out.q[b * QK + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+  }
+}
+
+inline __m256 block_dot_q4_1(const uint8_t* qs, const int8_t* xq) {    // 8 int32 lanes of <q, xq>, as floats
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+  const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+inline __m256 block_dot_q8_0(const int8_t* qs, const int8_t* xq) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+// G rows of x (quantized) against one weight row: two chains of vector accumulators (even / odd blocks) and, for
+// Q4_1, the m term in its own loop (Σ m_b s_b, two scalar chains), each in one fixed order.
+template <int KIND, int G>
+inline void q8_dot_rows(const uint8_t* q, const float* dn, const float* mn, const QRow* const* xr, int64_t nb,
+                        float* out) {
+  constexpr int64_t qbytes = KIND == 1 ? 16 : 32;
+  __m256 a0[G], a1[G];
+  for (int r = 0; r < G; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+  auto dot = [&](int64_t b, const int8_t* xq) {
+    return KIND == 1 ? block_dot_q4_1(q + b * qbytes, xq)
+                     : block_dot_q8_0(reinterpret_cast<const int8_t*>(q + b * qbytes), xq);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    for (int r = 0; r < G; r++) {
+      a0[r] = _mm256_fmadd_ps(dot(b, xr[r]->q.data() + b * QK), _mm256_set1_ps(dn[b] * xr[r]->d[b]), a0[r]);
+      a1[r] = _mm256_fmadd_ps(dot(b + 1, xr[r]->q.data() + (b + 1) * QK),
+                              _mm256_set1_ps(dn[b + 1] * xr[r]->d[b + 1]), a1[r]);
+    }
+  }
+  if (b < nb)
+    for (int r = 0; r < G; r++)
+      a0[r] = _mm256_fmadd_ps(dot(b, xr[r]->q.data() + b * QK), _mm256_set1_ps(dn[b] * xr[r]->d[b]), a0[r]);
+  for (int r = 0; r < G; r++) {
+    float mt0 = 0.f, mt1 = 0.f;
+    if (KIND == 1) {
+      const float* sr = xr[r]->s.data();
+      int64_t c = 0;
+      for (; c + 2 <= nb; c += 2) { mt0 += mn[c] * sr[c]; mt1 += mn[c + 1] * sr[c + 1]; }
+      if (c < nb) mt0 += mn[c] * sr[c];
+    }
+    out[r] = hsum8(_mm256_add_ps(a0[r], a1[r])) + (mt0 + mt1);
+  }
+}
+
+template <int KIND>
+void block_gemm_q8_t(const float* x, int64_t M, int64_t K, const void* qs, const float* d, const float* m,
+                     const float* bias, float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  constexpr int64_t qbytes = KIND == 1 ? 16 : 32;
+  std::vector<QRow> rows(M);
+  for (int64_t r = 0; r < M; r++) quantize_row_q8(x + r * K, K, rows[r]);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    const QRow* xr[4];
+    float out[4];
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* q = static_cast<const uint8_t*>(qs) + n * nb * qbytes;
+      const float* dn = d + n * nb;
+      const float* mn = KIND == 1 ? m + n * nb : nullptr;
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {         // rows in groups of 4 share each weight row's cache lines
+        const int64_t g = std::min<int64_t>(4, M - r0);
+        for (int64_t r = 0; r < g; r++) xr[r] = &rows[r0 + r];
+        switch (g) {
+          case 1: q8_dot_rows<KIND, 1>(q, dn, mn, xr, nb, out); break;
+          case 2: q8_dot_rows<KIND, 2>(q, dn, mn, xr, nb, out); break;
+          case 3: q8_dot_rows<KIND, 3>(q, dn, mn, xr, nb, out); break;
+          default: q8_dot_rows<KIND, 4>(q, dn, mn, xr, nb, out); break;
+        }
+        for (int64_t r = 0; r < g; r++) y[(r0 + r) * N + n] = out[r] + (bias ? bias[n] : 0.f);
+      }
+    }
+  });
+}
+
+// kind 1 = Q4_1, 2 = Q8_0 weights (layouts as block_gemm), x rows quantized here
+void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* qs, const float* d, const float* m,
+                   const float* bias, float* y, int64_t N) {
+  if (kind == 1) block_gemm_q8_t<1>(x, M, K, qs, d, m, bias, y, N);
+  else block_gemm_q8_t<2>(x, M, K, qs, d, m, bias, y, N);
+}
+
 // ---- fp32 linears on the fused step's own tiled kernel -----------------------------------------------------
 // y[M, N] = x[M, K] @ W^T for a plain row-major fp32 W [N, K] (the checkpoint's own tensor, no copy), K % 8 == 0.
 // Every output is ONE chain of fmas over k in 8-float vectors, then hsum8: the same order whatever tile computes
@@ -241,7 +352,7 @@ torch::Tensor tiled_linear_t(const torch::Tensor& x, const torch::Tensor& w, con
 }
 
 // ---- one linear layer of any kind the engine holds --------------------------------------------------------
-enum Kind { PACKED_FP32 = 0, Q4_1 = 1, Q8_0 = 2, DENSE = 3, INT8_ROWWISE = 4, TILED_FP32 = 5 };
+enum Kind { PACKED_FP32 = 0, Q4_1 = 1, Q8_0 = 2, DENSE = 3, INT8_ROWWISE = 4, TILED_FP32 = 5, Q4_1_Q8 = 6, Q8_0_Q8 = 7 };
 
 // oneDNN keeps one primitive per input shape it has seen (two caches of 1024 entries, ~0.5 MB each): ragged
 // batches would show it a new row count at every other step and grow the process for hours. So a oneDNN linear
@@ -292,6 +403,13 @@ struct Linear {
     if (kind == TILED_FP32) return tiled_linear_t(x, w, bias);
     if (kind == PACKED_FP32 || (prefill.defined() && M >= prefill_min_rows))
       return onednn_linear(x, kind == PACKED_FP32 ? w : prefill, bias);
+    if (kind == Q4_1_Q8 || kind == Q8_0_Q8) {
+      auto y = torch::empty({M, N}, x.options());
+      block_gemm_q8(kind == Q4_1_Q8 ? 1 : 2, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
+                    kind == Q4_1_Q8 ? m.data_ptr<float>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+                    y.data_ptr<float>(), N);
+      return y;
+    }
     if (kind == Q4_1 || kind == Q8_0) {
       auto y = torch::empty({M, N}, x.options());
       block_gemm(kind, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
@@ -313,7 +431,8 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
   Linear l;
   l.kind = kind; l.w = opt(w); l.qs = opt(qs); l.d = opt(d); l.m = opt(m); l.bias = opt(bias); l.prefill = opt(prefill);
   l.prefill_min_rows = prefill_min_rows; l.N = N; l.K = K;
-  TORCH_CHECK((kind != Q4_1 && kind != Q8_0) || K % QK == 0, "block-quantized linear needs in_features % 32 == 0");
+  TORCH_CHECK((kind != Q4_1 && kind != Q8_0 && kind != Q4_1_Q8 && kind != Q8_0_Q8) || K % QK == 0,
+              "block-quantized linear needs in_features % 32 == 0");
   TORCH_CHECK(kind != TILED_FP32 || (K % 8 == 0 && l.w.defined() && l.w.is_contiguous() &&
                                      l.w.scalar_type() == torch::kFloat32),
               "tiled fp32 linear needs a contiguous fp32 weight with in_features % 8 == 0");
@@ -490,8 +609,9 @@ torch::Tensor block_linear(int64_t kind, torch::Tensor x, torch::Tensor qs, torc
   TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32");
   auto y = torch::empty({M, N}, x.options());
   py::gil_scoped_release nogil;
-  block_gemm(static_cast<int>(kind), x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
-             m.defined() && m.numel() ? m.data_ptr<float>() : nullptr,
+  const bool q8 = kind == Q4_1_Q8 || kind == Q8_0_Q8;
+  (q8 ? block_gemm_q8 : block_gemm)(q8 ? static_cast<int>(kind) - 5 : static_cast<int>(kind), x.data_ptr<float>(), M,
+             K, qs.data_ptr(), d.data_ptr<float>(), m.defined() && m.numel() ? m.data_ptr<float>() : nullptr,
              bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
   return y;
 }
