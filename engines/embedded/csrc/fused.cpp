@@ -183,7 +183,9 @@ struct QRow {                      // one quantized row of x: K int8, and per bl
   std::vector<float> d, s;
 };
 
-inline void quantize_row_q8(const float* x, int64_t K, QRow& out) {
+// pairs: lay blocks 2p and 2p+1 out as [their elements 0..15 | 0..15 | 16..31 | 16..31], the order one 32-byte
+// load of two Q4_1 blocks' nibbles comes in (pair_dot_q4_1); a last unpaired block stays in its own order.
+inline void quantize_row_q8(const float* x, int64_t K, QRow& out, bool pairs = false) {
   const int64_t nb = K / QK;
   out.q.resize(K); out.d.resize(nb); out.s.resize(nb);
   for (int64_t b = 0; b < nb; b++) {
@@ -192,8 +194,23 @@ inline void quantize_row_q8(const float* x, int64_t K, QRow& out) {
     for (int i = 0; i < QK; i++) { amax = std::max(amax, std::fabs(xb[i])); sum += xb[i]; }
     const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
     out.d[b] = d; out.s[b] = sum;
-    for (int i = 0; i < QK; i++) out.q[b * QK + i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+    for (int i = 0; i < QK; i++) {
+      int64_t at = b * QK + i;
+      if (pairs && (b | 1) < nb)                     // block b of pair p = b / 2: which half, which quarter
+        at = (b & ~int64_t(1)) * QK + (i / 16) * 32 + (b & 1) * 16 + i % 16;
+      out.q[at] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+    }
   }
+}
+
+inline __m256 pair_dot_q4_1(const uint8_t* qs, const int8_t* xq) {   // blocks b, b+1: lanes 0-3 | 4-7
+  const __m256i bq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m256i lo = _mm256_and_si256(bq, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bq, 4), mask);
+  const __m256i p = _mm256_add_epi16(
+      _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
+      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32))));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
 inline __m256 block_dot_q4_1(const uint8_t* qs, const int8_t* xq) {    // 8 int32 lanes of <q, xq>, as floats
@@ -224,6 +241,15 @@ inline void q8_dot_rows(const uint8_t* q, const float* dn, const float* mn, cons
                      : block_dot_q8_0(reinterpret_cast<const int8_t*>(q + b * qbytes), xq);
   };
   int64_t b = 0;
+  if (KIND == 1) {                                     // two blocks per load (pairs layout of x)
+    for (; b + 2 <= nb; b += 2) {
+      for (int r = 0; r < G; r++) {
+        const __m256 sc = _mm256_set_m128(_mm_set1_ps(dn[b + 1] * xr[r]->d[b + 1]), _mm_set1_ps(dn[b] * xr[r]->d[b]));
+        __m256& a = (b & 2) ? a1[r] : a0[r];
+        a = _mm256_fmadd_ps(pair_dot_q4_1(q + b * qbytes, xr[r]->q.data() + b * QK), sc, a);
+      }
+    }
+  }
   for (; b + 2 <= nb; b += 2) {
     for (int r = 0; r < G; r++) {
       a0[r] = _mm256_fmadd_ps(dot(b, xr[r]->q.data() + b * QK), _mm256_set1_ps(dn[b] * xr[r]->d[b]), a0[r]);
@@ -252,7 +278,7 @@ void block_gemm_q8_t(const float* x, int64_t M, int64_t K, const void* qs, const
   const int64_t nb = K / QK;
   constexpr int64_t qbytes = KIND == 1 ? 16 : 32;
   std::vector<QRow> rows(M);
-  for (int64_t r = 0; r < M; r++) quantize_row_q8(x + r * K, K, rows[r]);
+  for (int64_t r = 0; r < M; r++) quantize_row_q8(x + r * K, K, rows[r], KIND == 1);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     const QRow* xr[4];
     float out[4];
