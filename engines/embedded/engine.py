@@ -185,6 +185,11 @@ class Engine:
             log.warning("the build's calibration was measured with %s linears but this engine runs %s: its costs, "
                         "default K and crossover are stale; re-measure with `specbuild build --force`.",
                         measured, linear_kernel_of(target))
+        measured_act = (cfg.calibration or {}).get("draft_activations", "fp32" if cfg.calibration else None)
+        if draft is not None and measured_act and measured_act != cfg.draft_activations:
+            log.warning("the build's calibration was measured with %s draft activations but this engine runs %s: "
+                        "its costs, acceptance, default K and crossover are stale; re-measure with "
+                        "`specbuild build --force`.", measured_act, cfg.draft_activations)
         return cls(target, tok, cfg, draft, eos_token_id=eos)
 
     # ---- requests ---------------------------------------------------------------------------------
