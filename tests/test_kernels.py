@@ -69,12 +69,7 @@ def test_auto_puts_fp32_linears_on_the_tiled_kernel_and_a_tied_lm_head_stays_the
     assert model.num_bytes() == ref.num_bytes()            # no copies (oneDNN holds a reordered one per layer)
     if model.cfg.tie_word_embeddings:
         assert model.lm_head.weight is model.embed.weight
-    c1, c2 = _cache(ref), _cache(model)
-    toks = list(range(5, 30))
-    with torch.inference_mode():
-        a = ragged_forward(ref, c1, [0], [0], [toks], "all")
-        b = ragged_forward(model, c2, [0], [0], [toks], "all")
-    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    _assert_same_logits(model, ref)
 
 
 def test_a_required_tiled_kernel_without_the_extension_is_refused(tiny_llama, monkeypatch):
@@ -120,6 +115,15 @@ def test_packed_rows_do_not_depend_on_the_other_rows():
     assert torch.equal(packed(x[4:5]), full[4:5])
 
 
+def _assert_same_logits(model, ref) -> None:
+    """`model` (its linears swapped) computes what `ref` (as loaded) computes over a 25-token prompt."""
+    toks = list(range(5, 30))
+    with torch.inference_mode():
+        a = ragged_forward(ref, _cache(ref), [0], [0], [toks], "all")
+        b = ragged_forward(model, _cache(model), [0], [0], [toks], "all")
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 def _cache(model, slots=2):
     c = model.cfg
     return KVCache(num_layers=c.num_layers, num_slots=slots, kv_heads=c.num_kv_heads, max_seq=128,
@@ -150,12 +154,7 @@ def test_pack_swaps_only_fp32_linears_and_keeps_the_models_output(tiny_llama):
     assert pack_linears_(model, "onednn") == n_linears > 0
     assert linear_kernel_of(model) == "onednn" and linear_kernel_of(ref) == "aten"
     assert model.num_bytes() == ref.num_bytes() + ref.lm_head.weight.numel() * 4   # tied lm_head: own packed copy
-    c1, c2 = _cache(ref), _cache(model)
-    toks = list(range(5, 30))
-    with torch.inference_mode():
-        a = ragged_forward(ref, c1, [0], [0], [toks], "all")
-        b = ragged_forward(model, c2, [0], [0], [toks], "all")
-    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    _assert_same_logits(model, ref)
     assert pack_linears_(load_model(tiny_llama), "aten") == 0
 
 
