@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specbuild.pipeline.build import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS, build
+from specbuild.pipeline.build import DRAFT_ACTIVATIONS, DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS, build
 from specbuild.cli.options import (backend_option, dry_run_option, force_option, rehearse_option,
                                    trtllm_generation_option, workdir_option)
 
@@ -30,7 +30,7 @@ def _stderr(msg: str) -> None:
               help="Store the draft weight-only quantized: int8 (per channel, torch's int8 kernel) or int4 (Q4_1 "
                    "blocks, lm_head Q8_0: the GGUF layouts, on the fused step's kernels; a dequantized GGUF's own "
                    "blocks are recovered exactly). Default: none (draft dtype = --dtype).")
-@click.option("--draft-activations", type=click.Choice(["fp32", "int8"]), default=None,
+@click.option("--draft-activations", type=click.Choice(DRAFT_ACTIVATIONS), default=None,
               help="Activations of an int4 draft: int8 (rounded per block of 32, integer kernels: about a third "
                    "cheaper a step, acceptance a little lower) or fp32 (the target's exact arithmetic on the "
                    "draft's weights). Output is the target's either way. Default: int8 for an int4 draft.")

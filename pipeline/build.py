@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from specbuild.core.errors import UsageError
 from specbuild.pipeline.stage import BACKENDS, PlanStep, run_stage
-from specbuild.core.constants import DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS  # noqa: F401 (the CLI imports them here)
+from specbuild.core.constants import DRAFT_ACTIVATIONS, DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS  # noqa: F401 (the CLI imports them here)
 
 MAX_DRAFT_LEN_LIMIT = 32
 
@@ -118,8 +118,9 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
     if not crossover:
         options["crossover"] = False
     if draft_activations is not None:   # only when set: the default (int8 for an int4 draft) keeps its fingerprint
-        if draft_activations not in ("fp32", "int8"):
-            raise UsageError(f"unknown --draft-activations {draft_activations!r}; choose fp32 or int8.")
+        if draft_activations not in DRAFT_ACTIVATIONS:
+            raise UsageError(f"unknown --draft-activations {draft_activations!r}; choose one of "
+                             f"{', '.join(DRAFT_ACTIVATIONS)}.")
         options["draft_activations"] = draft_activations
     if spec_max_concurrency is not None:
         options["spec_max_concurrency"] = spec_max_concurrency

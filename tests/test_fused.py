@@ -89,7 +89,7 @@ def test_int8_activations_approximate_the_linear_and_keep_rows_independent(schem
     ref = torch.nn.functional.linear(x, q.dense_weight(), lin.bias)
     fp32 = fused.block_linear(q.kind, x, q.qs, q.d, q.m, q.bias, 72)
     q.activations = "int8"
-    assert q.kernel_kind == q.kind + 5
+    assert q.kernel_kind == fused.INT8_ACTIVATIONS[q.kind]
     got = q(x)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 0 < rel < 0.03, rel                                  # 8-bit x: ~1 % here; fp32 activations ~1e-7

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from specbuild.engines.embedded.errors import EngineLimitError
-from specbuild.core.constants import DTYPES, ENGINE_CONFIG_FILE, PROPOSERS
+from specbuild.core.constants import DRAFT_ACTIVATIONS, DTYPES, ENGINE_CONFIG_FILE, PROPOSERS
 from specbuild.core.errors import SourceError
 from specbuild.core.manifest import atomic_write_text
 
@@ -41,7 +41,6 @@ EXACT, UNSAFE_ALWAYS_ACCEPT = "exact", "unsafe-always-accept"   # acceptance rul
 ACCEPTANCE_RULES = (EXACT, UNSAFE_ALWAYS_ACCEPT)
 LINEAR_KERNELS = ("auto", "tiled", "onednn", "aten")
 DRAFT_KV = ("own", "shared")
-DRAFT_ACTIVATIONS = ("fp32", "int8")     # a block-quantized draft's activations (quant.BlockLinear)
 DECODE_STEPS = ("auto", "fused", "eager")  # = fused.DECODE_STEPS (this module imports no torch)
 ENGINE_FORMAT = "specbuild-embedded-engine"
 ENGINE_SCHEMA = 2                        # 2: `policy` object (1: loose adaptive_k / spec_max_concurrency keys)

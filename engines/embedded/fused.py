@@ -35,7 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 from specbuild.engines.embedded.config import DECODE_STEPS  # noqa: F401
-PACKED_FP32, Q4_1, Q8_0, DENSE, INT8_ROWWISE, TILED_FP32 = 0, 1, 2, 3, 4, 5
+PACKED_FP32, Q4_1, Q8_0, DENSE, INT8_ROWWISE, TILED_FP32, Q4_1_Q8, Q8_0_Q8 = 0, 1, 2, 3, 4, 5, 6, 7
+INT8_ACTIVATIONS = {Q4_1: Q4_1_Q8, Q8_0: Q8_0_Q8}    # a block kind -> the same weights on int8 activations
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 _EXT = None                    # the loaded module
 _WHY: str | None = None        # why it is not loaded (None: not tried yet, or loaded)
@@ -168,7 +169,7 @@ def build(progress=print) -> bool:
             progress(f"fused decode step: the {scheme} kernel disagrees with PyTorch here; not used")
             _EXT, _WHY = None, f"the {scheme} kernel disagreed with PyTorch when probed"
             return False
-        q8 = ext.block_linear(kind + 5, x, qs, d, m if m is not None else torch.empty(0), torch.empty(0), 40)
+        q8 = ext.block_linear(INT8_ACTIVATIONS[kind], x, qs, d, m if m is not None else torch.empty(0), torch.empty(0), 40)
         if not (q8 - ref).norm() <= 0.05 * ref.norm():           # int8 activations: an approximation (~1 %)
             progress(f"fused decode step: the {scheme} int8-activation kernel disagrees with PyTorch here; not used")
             _EXT, _WHY = None, f"the {scheme} int8-activation kernel disagreed with PyTorch when probed"

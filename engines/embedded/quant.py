@@ -35,7 +35,7 @@ from torch import nn
 
 from specbuild.core.errors import UsageError
 
-from specbuild.core.constants import DRAFT_QUANTIZATIONS as SCHEMES
+from specbuild.core.constants import DRAFT_ACTIVATIONS, DRAFT_QUANTIZATIONS as SCHEMES
 
 from specbuild.engines.embedded.blocks import BLOCK, dequantize_blocks, quantize_blocks  # noqa: F401
 
@@ -108,8 +108,8 @@ class Int8Linear(nn.Module):
 def set_block_activations_(model: nn.Module, activations: str) -> int:
     """Run every BlockLinear of `model` with "fp32" or "int8" activations (EngineConfig.draft_activations);
     -> how many. "int8" takes effect on the fused extension's kernels (without them: fp32, the dense fallback)."""
-    if activations not in ("fp32", "int8"):
-        raise UsageError(f"draft activations must be fp32 or int8, got {activations!r}")
+    if activations not in DRAFT_ACTIVATIONS:
+        raise UsageError(f"draft activations must be one of {', '.join(DRAFT_ACTIVATIONS)}, got {activations!r}")
     n = 0
     for m in model.modules():
         if isinstance(m, BlockLinear):
@@ -153,8 +153,10 @@ class BlockLinear(nn.Module):
 
     @property
     def kernel_kind(self) -> int:
-        """The extension's kind: Q4_1 1 / Q8_0 2 with fp32 activations, Q4_1_Q8 6 / Q8_0_Q8 7 with int8 ones."""
-        return self.kind + (5 if self.activations == "int8" else 0)
+        """The extension's kind: Q4_1 / Q8_0 with fp32 activations, Q4_1_Q8 / Q8_0_Q8 with int8 ones (fused.py)."""
+        from specbuild.engines.embedded.fused import INT8_ACTIVATIONS
+
+        return INT8_ACTIVATIONS[self.kind] if self.activations == "int8" else self.kind
 
     def dense_weight(self) -> torch.Tensor:
         if self._dense is None:

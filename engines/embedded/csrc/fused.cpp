@@ -391,6 +391,17 @@ torch::Tensor tiled_linear_t(const torch::Tensor& x, const torch::Tensor& w, con
 // ---- one linear layer of any kind the engine holds --------------------------------------------------------
 enum Kind { PACKED_FP32 = 0, Q4_1 = 1, Q8_0 = 2, DENSE = 3, INT8_ROWWISE = 4, TILED_FP32 = 5, Q4_1_Q8 = 6, Q8_0_Q8 = 7 };
 
+inline bool is_block(int64_t kind) { return kind == Q4_1 || kind == Q8_0 || kind == Q4_1_Q8 || kind == Q8_0_Q8; }
+
+// y [M, N] for a block kind: fp32 activations (block_gemm) or int8 ones (block_gemm_q8); m: Q4_1's, else unused
+void block_gemm_kind(int64_t kind, const float* x, int64_t M, int64_t K, const void* qs, const float* d,
+                     const float* m, const float* bias, float* y, int64_t N) {
+  const int scheme = (kind == Q4_1 || kind == Q4_1_Q8) ? 1 : 2;
+  const float* mm = scheme == 1 ? m : nullptr;
+  if (kind == Q4_1_Q8 || kind == Q8_0_Q8) block_gemm_q8(scheme, x, M, K, qs, d, mm, bias, y, N);
+  else block_gemm(scheme, x, M, K, qs, d, mm, bias, y, N);
+}
+
 // oneDNN keeps one primitive per input shape it has seen (two caches of 1024 entries, ~0.5 MB each): ragged
 // batches would show it a new row count at every other step and grow the process for hours. So a oneDNN linear
 // only ever sees a bounded set of row counts: 1..16 as they are, then 24, 32, 48, 64, 96, 128, 192, 256 (the
@@ -440,18 +451,11 @@ struct Linear {
     if (kind == TILED_FP32) return tiled_linear_t(x, w, bias);
     if (kind == PACKED_FP32 || (prefill.defined() && M >= prefill_min_rows))
       return onednn_linear(x, kind == PACKED_FP32 ? w : prefill, bias);
-    if (kind == Q4_1_Q8 || kind == Q8_0_Q8) {
+    if (is_block(kind)) {
       auto y = torch::empty({M, N}, x.options());
-      block_gemm_q8(kind == Q4_1_Q8 ? 1 : 2, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
-                    kind == Q4_1_Q8 ? m.data_ptr<float>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
-                    y.data_ptr<float>(), N);
-      return y;
-    }
-    if (kind == Q4_1 || kind == Q8_0) {
-      auto y = torch::empty({M, N}, x.options());
-      block_gemm(kind, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
-                 kind == Q4_1 ? m.data_ptr<float>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
-                 y.data_ptr<float>(), N);
+      block_gemm_kind(kind, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
+                      m.defined() ? m.data_ptr<float>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+                      y.data_ptr<float>(), N);
       return y;
     }
     if (kind == INT8_ROWWISE) {                     // torch's int8 weight-only kernel, bf16 activations
@@ -468,8 +472,7 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
   Linear l;
   l.kind = kind; l.w = opt(w); l.qs = opt(qs); l.d = opt(d); l.m = opt(m); l.bias = opt(bias); l.prefill = opt(prefill);
   l.prefill_min_rows = prefill_min_rows; l.N = N; l.K = K;
-  TORCH_CHECK((kind != Q4_1 && kind != Q8_0 && kind != Q4_1_Q8 && kind != Q8_0_Q8) || K % QK == 0,
-              "block-quantized linear needs in_features % 32 == 0");
+  TORCH_CHECK(!is_block(kind) || K % QK == 0, "block-quantized linear needs in_features % 32 == 0");
   TORCH_CHECK(kind != TILED_FP32 || (K % 8 == 0 && l.w.defined() && l.w.is_contiguous() &&
                                      l.w.scalar_type() == torch::kFloat32),
               "tiled fp32 linear needs a contiguous fp32 weight with in_features % 8 == 0");
@@ -644,12 +647,12 @@ torch::Tensor block_linear(int64_t kind, torch::Tensor x, torch::Tensor qs, torc
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(is_block(kind), "block_linear: kind must be Q4_1 (1), Q8_0 (2), Q4_1_Q8 (6) or Q8_0_Q8 (7)");
   auto y = torch::empty({M, N}, x.options());
   py::gil_scoped_release nogil;
-  const bool q8 = kind == Q4_1_Q8 || kind == Q8_0_Q8;
-  (q8 ? block_gemm_q8 : block_gemm)(q8 ? static_cast<int>(kind) - 5 : static_cast<int>(kind), x.data_ptr<float>(), M,
-             K, qs.data_ptr(), d.data_ptr<float>(), m.defined() && m.numel() ? m.data_ptr<float>() : nullptr,
-             bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
+  block_gemm_kind(kind, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
+                  m.defined() && m.numel() ? m.data_ptr<float>() : nullptr,
+                  bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -669,7 +672,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.doc() = "specbuild fused CPU decode step and block-quantized (Q4_1, Q8_0) GEMV kernels";
   py::class_<Linear>(mod, "Linear");
   mod.def("make_linear", &make_linear);
-  mod.def("block_linear", &block_linear, "y = x @ W^T (+ bias) for a Q4_1 (kind 1) / Q8_0 (kind 2) W");
+  mod.def("block_linear", &block_linear, "y = x @ W^T (+ bias) for a Q4_1 (kind 1) / Q8_0 (kind 2) W; "
+          "kinds 6 / 7: the same on int8 activations");
   mod.def("tiled_linear", &tiled_linear, "y = x @ W^T (+ bias) for a plain fp32 W on the tiled kernel");
   mod.attr("TILED_MAX_ROWS") = TILED_MAX_ROWS;
   py::class_<Runner>(mod, "Runner")
