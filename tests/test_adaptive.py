@@ -15,7 +15,8 @@ import pytest
 from specbuild.engines.embedded import Engine, EngineLimitError, Policy, SamplingParams
 from specbuild.engines.embedded.config import ADAPTIVE_K
 from specbuild.engines.embedded.adaptive import (AcceptanceTracker, AdaptivePolicy, CostModel,
-                                                 choose_batch_k, choose_k, cost_models, cutoff_from_speedups,
+                                                 choose_batch_k, choose_k, concurrency_costs, cost_models,
+                                                 cutoff_from_speedups,
                                                  expected_tokens, fit_verify_curve, predicted_speedup, prior_alphas)
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]
@@ -77,6 +78,38 @@ def test_verify_curve_fit_and_calibration_reading():
     assert cost_models(ngram_cal)["draft"].cost_ratio == CostModel().cost_ratio
     assert cost_models(None)["draft"] == CostModel() and cost_models({})["ngram"].cost_ratio == 0.0
     assert prior_alphas(CALIBRATION) == {"draft": 0.9, "ngram": AdaptivePolicy().prior_alpha}
+
+
+def test_a_step_of_n_sequences_is_priced_with_the_times_measured_nearest_n():
+    """by_concurrency: one sequence's costs price n = 1 only; n uses the nearest measured concurrency (the larger
+    on a tie), so a 4-sequence step whose verify is compute-bound drafts less than one sequence would."""
+    at = {"2": {"t_target_s": 0.05, "t_draft_s": 0.02, "t_verify_s": {"1": 0.07, "2": 0.08, "4": 0.10}},
+          "4": {"t_target_s": 0.06, "t_draft_s": 0.036, "t_verify_s": {"1": 0.09, "2": 0.11, "4": 0.15}},
+          "8": {"t_target_s": 0.08, "t_draft_s": 0.06, "t_verify_s": {"1": 0.14, "2": 0.19, "4": 0.30}}}
+    cal = {**CALIBRATION, "by_concurrency": at}
+    assert cost_models(cal, 1) == cost_models(CALIBRATION) == cost_models(cal)
+    assert concurrency_costs(cal, 1) is None and concurrency_costs(CALIBRATION, 4) is None
+    assert [concurrency_costs(cal, n) for n in (2, 3, 5, 6, 7, 16)] == [at["2"], at["4"], at["4"], at["8"],
+                                                                         at["8"], at["8"]]
+    four = cost_models(cal, 4)["draft"]
+    assert four.cost_ratio == pytest.approx(0.6) and four.source == "calibration"
+    assert four.cost(4) == pytest.approx(1 + 0.6 * 4 + 0.15 / 0.06 - 1, rel=0.05)      # the fitted line, near
+    assert cost_models(cal, 4)["ngram"].cost_ratio == 0.0
+    ks = [choose_k(0.9, cost_models(cal, n)["draft"], 8) for n in (1, 2, 4, 8)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
+
+
+def test_the_planner_prices_each_step_at_its_own_concurrency():
+    """Before any online sample, a step of 4 adaptive sequences is planned with the build's 4-sequence costs."""
+    from specbuild.engines.embedded.kplan import KPlanner
+
+    dear = {"t_target_s": 0.04, "t_draft_s": 0.04, "t_verify_s": {"1": 0.09, "2": 0.13, "4": 0.21}}
+    kp = KPlanner(calibration={**CALIBRATION, "by_concurrency": {"4": dear}}, online_costs=True)
+    assert kp.cost("draft", 1) == cost_models(CALIBRATION)["draft"]
+    assert kp.cost("draft", 4).cost_ratio == pytest.approx(1.0) and kp.cost("draft", 6) == kp.cost("draft", 4)
+    assert choose_k(0.9, kp.cost("draft", 1), 8) > 0 and choose_k(0.9, kp.cost("draft", 4), 8) == 0
+    kp.set_calibration(CALIBRATION)                      # a new calibration without them: one sequence's costs
+    assert kp.cost("draft", 4) == cost_models(CALIBRATION)["draft"]
 
 
 def test_tracker_counts_tested_drafts_only_and_probes_when_off():

@@ -79,6 +79,11 @@ def test_build_writes_engine_dir_and_sane_calibration(pair_workdir):
     assert cfg["policy"]["k"] == "adaptive"          # calibrated, no K given: adaptive K
     assert cal["t_target_s"] > 0 and cal["t_draft_s"] > 0
     assert sorted(cal["t_verify_s"]) == ["1", "2", "3", "4"] and min(cal["t_verify_s"].values()) > 0
+    # the step times at more sequences per step, up to max_batch_size (2 here), verify at K <= max_draft_len
+    assert list(cal["by_concurrency"]) == ["2"]
+    at2 = cal["by_concurrency"]["2"]
+    assert sorted(at2["t_verify_s"]) == ["1", "2", "4"] and min(at2["t_verify_s"].values()) > 0
+    assert at2["t_target_s"] > 0 and at2["t_draft_s"] > 0
     assert cal["cost_ratio"] == pytest.approx(cal["t_draft_s"] / cal["t_target_s"])
     best = max(cal["predicted_speedup"].values())
     assert cal["predicted_speedup"][str(cal["recommended_k"])] == best

@@ -100,11 +100,20 @@ def fit_verify_curve(t_target: float, t_verify: dict[int, float]) -> tuple[float
     return a, b
 
 
-def cost_models(calibration: dict | None) -> dict[str, CostModel]:
+def cost_models(calibration: dict | None, n: int = 1) -> dict[str, CostModel]:
     """Cost models per proposer from the calibration `build` stores in engine_config.json (`calibrate.py`
-    `Calibration.to_dict()`: t_target_s, t_verify_s {"K": s}, t_draft_s, proposer); defaults when absent."""
+    `Calibration.to_dict()`: t_target_s, t_verify_s {"K": s}, t_draft_s, proposer); defaults when absent.
+
+    `n` sequences in the step: the step times measured at the concurrency nearest n (`by_concurrency`, the larger
+    one on a tie) replace the one-sequence times. At 2+ rows a verify of K+1 positions per sequence is
+    compute-bound where one row is bandwidth-bound, so pricing it with one sequence's costs picks too large a K
+    (measured on the 2-core AMD EPYC: the K that one sequence's costs pick, 0.96-0.99x at 3 sequences, where K=2
+    gave 1.05x)."""
     draft, ngram = CostModel(), CostModel(cost_ratio=0.0)
-    cal = calibration or {}
+    cal = dict(calibration or {})
+    at = concurrency_costs(cal, n)
+    if at is not None:
+        cal.update(at)
     t_target = float(cal.get("t_target_s") or 0.0)
     if t_target > 0 and cal.get("t_verify_s"):
         a, b = fit_verify_curve(t_target, {int(k): float(v) for k, v in cal["t_verify_s"].items()})
@@ -112,6 +121,17 @@ def cost_models(calibration: dict | None) -> dict[str, CostModel]:
         c = float(cal.get("t_draft_s") or 0.0) / t_target if cal.get("proposer") == "draft" else None
         draft = CostModel(c if c is not None else DEFAULT_DRAFT_COST_RATIO, a, b, "calibration")
     return {"draft": draft, "ngram": ngram}
+
+
+def concurrency_costs(calibration: dict | None, n: int) -> dict | None:
+    """The step times (t_target_s, t_verify_s, t_draft_s) measured at the concurrency nearest `n` > 1 in the
+    calibration's `by_concurrency` (ties: the larger, so pricing errs toward the dearer step); None at n <= 1 or
+    when none was measured. Example: measured at 2, 4, 8 -> n=3 uses 4's, n=6 uses 8's, n=16 uses 8's."""
+    table = (calibration or {}).get("by_concurrency") or {}
+    if n <= 1 or not table:
+        return None
+    best = min((int(m) for m in table), key=lambda m: (abs(m - n), -m))
+    return table[str(best)] if str(best) in table else table.get(best)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ Measured (medians of repeated timings, so a noisy shared machine moves them less
 - ``t_verify[K]``: one target forward over K+1 new positions (the K drafts + the bonus position);
 - ``t_draft``: one draft decode step (0 for the n-gram proposer, which runs no model);
 - ``alpha``: per-token acceptance on a built-in prompt set (chat / code / summarization), estimated from the
-  per-position acceptance counts of real speculative generations (see ``estimate_alpha``).
+  per-position acceptance counts of real speculative generations (see ``estimate_alpha``);
+- ``by_concurrency``: the same three step times with n = 2, 3, 4, 8 sequences in the step (up to
+  max_batch_size; verify at K = 1, 2, 4, 8), so adaptive K prices a step at the load it runs at: at 2+ rows a
+  verify is compute-bound where one row is bandwidth-bound (``adaptive.cost_models(calibration, n)``).
 
 The model is the one adaptive K serves with (`adaptive.py`: Leviathan et al. 2023 with a measured verify
 cost): a round of K drafts emits E = (1 - a^(K+1)) / (1 - a) tokens on average and costs 1 + c*K + v(K) plain
@@ -122,10 +125,14 @@ class Calibration:
     worth_speculating: bool              # predicted_speedup[recommended_k] > 1
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # n -> {"t_target_s", "t_verify_s": {K: s}, "t_draft_s"} with n sequences in the step (n >= 2)
+    by_concurrency: dict[int, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["t_verify_s"] = {str(k): v for k, v in self.t_verify_s.items()}
+        d["by_concurrency"] = {str(n): {**row, "t_verify_s": {str(k): v for k, v in row["t_verify_s"].items()}}
+                               for n, row in self.by_concurrency.items()}
         d["predicted_speedup"] = {str(k): v for k, v in self.predicted_speedup.items()}
         d["formula"] = ("predicted_speedup(K) = ((1 - alpha^(K+1)) / (1 - alpha)) / "
                         "((K * t_draft + t_verify[K]) / t_target)")
@@ -183,6 +190,30 @@ def _as_chat(tokenizer, prompt: str) -> str:
     return prompt
 
 
+CONCURRENCY_LEVELS = (2, 3, 4, 8)        # sequences per step the step times are also measured at
+CONCURRENCY_KS = (1, 2, 4, 8)            # verify widths measured there (a line is fitted through them)
+
+
+def measure_by_concurrency(target_model, draft_model, *, proposer: str, max_draft_len: int, max_batch_size: int,
+                           context: int, decode_step: str, reps: int = 5,
+                           levels: tuple[int, ...] = CONCURRENCY_LEVELS) -> dict[int, dict]:
+    """Target step, verify at K in CONCURRENCY_KS (<= max_draft_len) and draft step with n sequences in the step,
+    for n in `levels` up to max_batch_size, timed interleaved per n. -> {n: {"t_target_s", "t_verify_s": {K: s},
+    "t_draft_s"}} (t_draft_s 0 for n-gram)."""
+    out: dict[int, dict] = {}
+    ks = [k for k in CONCURRENCY_KS if k <= max_draft_len]
+    for n in (b for b in levels if b <= max_batch_size):
+        probes = {("verify", k): forward_probe(target_model, new_tokens=k + 1, context=context, batch=n,
+                                               decode_step=decode_step) for k in [0] + ks}
+        if proposer == "draft":
+            probes[("draft", 1)] = forward_probe(draft_model, new_tokens=1, context=context, batch=n,
+                                                 decode_step=decode_step)
+        timed = time_interleaved(probes, reps=reps)
+        out[n] = {"t_target_s": timed[("verify", 0)], "t_verify_s": {k: timed[("verify", k)] for k in ks},
+                  "t_draft_s": timed.get(("draft", 1), 0.0)}
+    return out
+
+
 def calibrate(engine, target_model, draft_model, *, proposer: str, max_draft_len: int, context: int = 96,
               max_tokens: int = 32, reps: int = 7, progress: Callable[[str], None] | None = None) -> Calibration:
     """Time the target/draft forwards, measure acceptance with ``engine``, and pick K (see module docstring)."""
@@ -200,6 +231,11 @@ def calibrate(engine, target_model, draft_model, *, proposer: str, max_draft_len
     t_verify = {k: timed[("verify", k)] for k in range(1, max_draft_len + 1)}
     # n-gram lookup runs no model: its cost (microseconds of list search) is left out of the round cost.
     t_draft = timed.get(("draft", 1), 0.0)
+    levels = [n for n in CONCURRENCY_LEVELS if n <= engine.config.max_batch_size]
+    if levels:
+        say(f"calibration: the same step times with {', '.join(map(str, levels))} sequences in a step")
+    by_n = measure_by_concurrency(target_model, draft_model, proposer=proposer, max_draft_len=max_draft_len,
+                                  max_batch_size=engine.config.max_batch_size, context=context, decode_step=step)
     calib_k = min(4, max_draft_len)
     alpha, by_kind, rate = measure_acceptance(engine, proposer=proposer, k=calib_k, max_tokens=max_tokens,
                                               progress=say)
@@ -214,7 +250,7 @@ def calibrate(engine, target_model, draft_model, *, proposer: str, max_draft_len
                        t_draft_s=t_draft, cost_ratio=t_draft / t_target if t_target else 0.0, alpha=alpha,
                        alpha_by_kind=by_kind, acceptance_rate=rate, calibration_k=calib_k,
                        predicted_speedup=table, recommended_k=k_best, worth_speculating=table[k_best] > 1.0,
-                       seconds=time.perf_counter() - t0, notes=notes)
+                       seconds=time.perf_counter() - t0, notes=notes, by_concurrency=by_n)
 
 
 # ---- the crossover concurrency: where speculation stops paying ---------------------------------------------

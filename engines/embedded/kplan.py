@@ -6,8 +6,9 @@ For each running sequence, in this order:
    sequence did not force its K (the cut-off: at high batch a target step is compute-bound, drafting stops paying);
 2. never more than max_tokens leaves room for (a round emits at most K + 1 tokens);
 3. adaptive sequences: the K that maximizes the predicted speedup from their own acceptance and the cost model
-   (`adaptive.py`); several adaptive sequences of one proposer in a step share one batch-optimal K, since a
-   batched step drafts as often as its largest K;
+   (`adaptive.py`) at this step's number of sequences (measured online, else the build's step times at the
+   nearest calibrated concurrency); several adaptive sequences of one proposer in a step share one batch-optimal
+   K, since a batched step drafts as often as its largest K;
 4. while sequences keep drafting, one step in `OnlineCosts.explore_every` runs plain so that speculation is
    always judged against what plain decoding costs now.
 """
@@ -21,7 +22,9 @@ from specbuild.engines.embedded.sequence import Sequence
 
 class KPlanner:
     def __init__(self, *, calibration: dict | None, online_costs: bool):
-        self.costs: dict[str, CostModel] = cost_models(calibration)     # proposer -> the build's cost model
+        self.calibration = calibration
+        self.costs: dict[str, CostModel] = cost_models(calibration)     # proposer -> the build's cost model (n=1)
+        self._by_n: dict[int, dict[str, CostModel]] = {1: self.costs}    # ... at n sequences (by_concurrency)
         self.online = OnlineCosts() if online_costs else None           # step costs measured while serving
         self.alpha_prior = prior_alphas(calibration)                     # proposer -> a new sequence's alpha_hat
         self.cutoff_steps_total = 0
@@ -30,14 +33,23 @@ class KPlanner:
         self.last_n = 0                                                  # sequences in the latest step
 
     def set_calibration(self, calibration: dict | None) -> None:
+        self.calibration = calibration
         self.costs = cost_models(calibration)
+        self._by_n = {1: self.costs}
         for prop, a in prior_alphas(calibration).items():
             if (calibration or {}).get("proposer") == prop and calibration.get("alpha") is not None:
                 self.alpha_prior[prop] = a
 
+    def base_cost(self, proposer: str, n: int) -> CostModel:
+        """The build's cost model at n sequences: its step times measured at the nearest concurrency."""
+        if n not in self._by_n:
+            self._by_n[n] = cost_models(self.calibration, n)
+        return self._by_n[n][proposer]
+
     def cost(self, proposer: str, n: int) -> CostModel:
-        """The cost model adaptive K uses at n sequences: measured online once there is enough, else the build's."""
-        base = self.costs[proposer]
+        """The cost model adaptive K uses at n sequences: measured online once there is enough, else the build's
+        (measured at the nearest concurrency, so a step's first K at a new load is priced for that load)."""
+        base = self.base_cost(proposer, n)
         return self.online.model(n, base) if self.online is not None else base
 
     def plan(self, seqs: list[Sequence], policy: Policy) -> tuple[list[int], bool]:
