@@ -316,18 +316,25 @@ void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* q
 // hide the fma latency). Measured on the 2-core AMD EPYC (AVX2, no AVX-512) against oneDNN's packed fp32 linear,
 // 2 threads, 30 distinct weights streamed: 1 row 0.59-0.81x its time (21-24 GB/s against oneDNN's 13-18), 9 rows
 // 0.69-0.93x, 72 rows 0.70-0.98x (bench/README.md, "Linears").
-// PF: prefetch the same rows `pfd` floats ahead (the next block of 12 weight rows) into L1, a cache line per row
+// PF: prefetch the same rows `pfd` floats ahead (the next block of 12 weight rows) into L2, a cache line per row
 // per 16 floats of k, while this tile computes: with 3+ x rows the kernel is compute-bound and the next block's
 // misses would otherwise come after it (verify of 9 rows: 0.87-0.90x the time without; at 1 row, where the
-// hardware prefetcher keeps up, it costs 8-25 %, so one row does not prefetch).
+// hardware prefetcher keeps up, it costs 8-25 %, so one row does not prefetch). The `parts` x tiles of a block
+// share the work: tile `part` prefetches the lines with (k / 16) % parts == part, so the next block streams in
+// while every tile computes, not only the first (6-12 rows on the AMD EPYC: 5-10 % faster than the first tile
+// prefetching all, bench/README.md "Step costs per concurrency").
 template <int XR, int WR, bool PF = false>
-inline void tile_fp32(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t pfd = 0) {
+inline void tile_fp32(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t pfd = 0,
+                      int64_t parts = 1, int64_t part = 0) {
   __m256 acc[XR][WR];
   for (int i = 0; i < XR; i++)
     for (int j = 0; j < WR; j++) acc[i][j] = _mm256_setzero_ps();
+  int64_t next_pf = part * 16;                          // the k of this tile's next prefetched line
   for (int64_t k = 0; k < K; k += 8) {
-    if (PF && (k & 15) == 0)
-      for (int j = 0; j < WR; j++) _mm_prefetch(reinterpret_cast<const char*>(w + pfd + j * K + k), _MM_HINT_T0);
+    if (PF && k == next_pf) {
+      for (int j = 0; j < WR; j++) _mm_prefetch(reinterpret_cast<const char*>(w + pfd + j * K + k), _MM_HINT_T1);
+      next_pf += parts * 16;
+    }
     __m256 xv[XR];
     for (int i = 0; i < XR; i++) xv[i] = _mm256_loadu_ps(x + i * K + k);
     for (int j = 0; j < WR; j++) {
@@ -341,9 +348,9 @@ inline void tile_fp32(const float* x, int64_t K, const float* w, float* y, int64
 
 template <int XR, int WT, bool PF = false>
 void tiles_fp32(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1,
-                int64_t pfd = 0) {
+                int64_t pfd = 0, int64_t parts = 1, int64_t part = 0) {
   int64_t n = n0;
-  for (; n + WT <= n1; n += WT) tile_fp32<XR, WT, PF>(x, K, w + n * K, y + n, N, pfd);
+  for (; n + WT <= n1; n += WT) tile_fp32<XR, WT, PF>(x, K, w + n * K, y + n, N, pfd, parts, part);
   for (; n < n1; n++) tile_fp32<XR, 1>(x, K, w + n * K, y + n, N);
 }
 
@@ -354,9 +361,10 @@ void gemm_fp32(const float* x, int64_t M, int64_t K, const float* w, float* y, i
   for (int64_t nb = n0; nb < n1; nb += 12) {
     const int64_t ne = std::min(n1, nb + 12);
     int64_t r = 0;
-    if (M >= 3) {                                      // the first x tile prefetches the next block (if it is ours)
-      tiles_fp32<3, 4, true>(x, K, w, y, N, nb, ne, nb + 24 <= n1 ? 12 * K : 0);
-      r = 3;
+    if (M >= 3 && nb + 24 <= n1) {                     // the 3-row tiles prefetch the next block (if it is ours)
+      const int64_t parts = M / 3;
+      for (int64_t p = 0; p < parts; p++, r += 3)
+        tiles_fp32<3, 4, true>(x + r * K, K, w, y + r * N, N, nb, ne, 12 * K, parts, p);
     }
     for (; r + 3 <= M; r += 3) tiles_fp32<3, 4>(x + r * K, K, w, y + r * N, N, nb, ne);
     if (M - r == 1) tiles_fp32<1, 12>(x + r * K, K, w, y + r * N, N, nb, ne);
