@@ -127,11 +127,10 @@ def concurrency_costs(calibration: dict | None, n: int) -> dict | None:
     """The step times (t_target_s, t_verify_s, t_draft_s) measured at the concurrency nearest `n` > 1 in the
     calibration's `by_concurrency` (ties: the larger, so pricing errs toward the dearer step); None at n <= 1 or
     when none was measured. Example: measured at 2, 4, 8 -> n=3 uses 4's, n=6 uses 8's, n=16 uses 8's."""
-    table = (calibration or {}).get("by_concurrency") or {}
+    table = {int(m): row for m, row in ((calibration or {}).get("by_concurrency") or {}).items()}
     if n <= 1 or not table:
         return None
-    best = min((int(m) for m in table), key=lambda m: (abs(m - n), -m))
-    return table[str(best)] if str(best) in table else table.get(best)
+    return table[min(table, key=lambda m: (abs(m - n), -m))]
 
 
 @dataclass(frozen=True)

@@ -194,15 +194,14 @@ CONCURRENCY_LEVELS = (2, 3, 4, 8)        # sequences per step the step times are
 CONCURRENCY_KS = (1, 2, 4, 8)            # verify widths measured there (a line is fitted through them)
 
 
-def measure_by_concurrency(target_model, draft_model, *, proposer: str, max_draft_len: int, max_batch_size: int,
-                           context: int, decode_step: str, reps: int = 5,
-                           levels: tuple[int, ...] = CONCURRENCY_LEVELS) -> dict[int, dict]:
+def measure_by_concurrency(target_model, draft_model, *, proposer: str, max_draft_len: int, levels: list[int],
+                           context: int, decode_step: str, reps: int = 5) -> dict[int, dict]:
     """Target step, verify at K in CONCURRENCY_KS (<= max_draft_len) and draft step with n sequences in the step,
-    for n in `levels` up to max_batch_size, timed interleaved per n. -> {n: {"t_target_s", "t_verify_s": {K: s},
-    "t_draft_s"}} (t_draft_s 0 for n-gram)."""
+    for each n in `levels`, timed interleaved per n. -> {n: {"t_target_s", "t_verify_s": {K: s}, "t_draft_s"}}
+    (t_draft_s 0 for n-gram)."""
     out: dict[int, dict] = {}
     ks = [k for k in CONCURRENCY_KS if k <= max_draft_len]
-    for n in (b for b in levels if b <= max_batch_size):
+    for n in levels:
         probes = {("verify", k): forward_probe(target_model, new_tokens=k + 1, context=context, batch=n,
                                                decode_step=decode_step) for k in [0] + ks}
         if proposer == "draft":
@@ -235,7 +234,7 @@ def calibrate(engine, target_model, draft_model, *, proposer: str, max_draft_len
     if levels:
         say(f"calibration: the same step times with {', '.join(map(str, levels))} sequences in a step")
     by_n = measure_by_concurrency(target_model, draft_model, proposer=proposer, max_draft_len=max_draft_len,
-                                  max_batch_size=engine.config.max_batch_size, context=context, decode_step=step)
+                                  levels=levels, context=context, decode_step=step)
     calib_k = min(4, max_draft_len)
     alpha, by_kind, rate = measure_acceptance(engine, proposer=proposer, k=calib_k, max_tokens=max_tokens,
                                               progress=say)

@@ -23,8 +23,7 @@ from specbuild.engines.embedded.sequence import Sequence
 class KPlanner:
     def __init__(self, *, calibration: dict | None, online_costs: bool):
         self.calibration = calibration
-        self.costs: dict[str, CostModel] = cost_models(calibration)     # proposer -> the build's cost model (n=1)
-        self._by_n: dict[int, dict[str, CostModel]] = {1: self.costs}    # ... at n sequences (by_concurrency)
+        self._by_n: dict[int, dict[str, CostModel]] = {}                 # n -> proposer -> the build's cost model
         self.online = OnlineCosts() if online_costs else None           # step costs measured while serving
         self.alpha_prior = prior_alphas(calibration)                     # proposer -> a new sequence's alpha_hat
         self.cutoff_steps_total = 0
@@ -34,22 +33,26 @@ class KPlanner:
 
     def set_calibration(self, calibration: dict | None) -> None:
         self.calibration = calibration
-        self.costs = cost_models(calibration)
-        self._by_n = {1: self.costs}
+        self._by_n = {}
         for prop, a in prior_alphas(calibration).items():
             if (calibration or {}).get("proposer") == prop and calibration.get("alpha") is not None:
                 self.alpha_prior[prop] = a
 
-    def base_cost(self, proposer: str, n: int) -> CostModel:
-        """The build's cost model at n sequences: its step times measured at the nearest concurrency."""
+    def base_costs(self, n: int) -> dict[str, CostModel]:
+        """proposer -> the build's cost model at n sequences: its step times measured at the nearest concurrency."""
         if n not in self._by_n:
             self._by_n[n] = cost_models(self.calibration, n)
-        return self._by_n[n][proposer]
+        return self._by_n[n]
+
+    @property
+    def costs(self) -> dict[str, CostModel]:
+        """proposer -> the build's cost model for one sequence."""
+        return self.base_costs(1)
 
     def cost(self, proposer: str, n: int) -> CostModel:
         """The cost model adaptive K uses at n sequences: measured online once there is enough, else the build's
         (measured at the nearest concurrency, so a step's first K at a new load is priced for that load)."""
-        base = self.base_cost(proposer, n)
+        base = self.base_costs(n)[proposer]
         return self.online.model(n, base) if self.online is not None else base
 
     def plan(self, seqs: list[Sequence], policy: Policy) -> tuple[list[int], bool]:
