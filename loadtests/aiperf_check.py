@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specbuild.core import http
 from specbuild.loadtests import llamacpp
 
 METRICS = (("TTFT p50 (ms)", "time_to_first_token", "ttft_ms"),
@@ -50,11 +51,9 @@ def _children_cpu() -> float:
 
 
 def _server_counters(url: str) -> dict[str, float]:
-    import httpx
-
     from specbuild.core.metrics import parse_prometheus
 
-    return parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
+    return parse_prometheus(http.get(f"{url}/metrics", timeout=10).text)
 
 
 def _server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:

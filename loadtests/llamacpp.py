@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from specbuild.core import http
+
 VERSION = "11434"
 BINARIES = ("llama-server", "llama-bench", "llama-speculative-simple", "llama-completion", "llama-quantize")
 TARGET_GGUF = "SmolLM2-135M-Instruct.F32.gguf"
@@ -112,7 +114,7 @@ class LlamaServer:
                 tail = self.log.read_text()[-2000:] if self.log else ""
                 raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {tail}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if http.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -71,7 +71,7 @@ from typing import Any, Callable
 
 import httpx
 
-from specbuild.core import wire
+from specbuild.core import http, wire
 from specbuild.loadtests.hostile import ENDPOINTS, HOSTILE, MODELS, classify, hostile_body, ours_bad
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def fibonacci(n):", "Triton Inference Server",
@@ -171,7 +171,7 @@ def metrics(url: str, timeout: float = 5.0) -> dict:
     from specbuild.core.metrics import parse_prometheus
 
     try:
-        m = parse_prometheus(httpx.get(url, timeout=timeout).text)
+        m = parse_prometheus(http.get(url, timeout=timeout).text)
     except (httpx.HTTPError, ValueError):
         return {}
     return {k: m[name] for k, name in METRIC_KEYS.items() if name in m}
@@ -266,7 +266,7 @@ class Soak:
         for p in PROMPTS:
             for n in (self.args.chat_tokens, self.args.batch_tokens):
                 body = {"text_input": p, "max_tokens": n, "min_tokens": n, "num_draft_tokens": 0}
-                r = httpx.post(f"{self.base}/v2/models/tensorrt_llm_bls/generate", json=body, timeout=300)
+                r = http.post(f"{self.base}/v2/models/tensorrt_llm_bls/generate", json=body, timeout=300)
                 r.raise_for_status()
                 self.reference[(p, n)] = r.json()["text_output"]
 
@@ -386,17 +386,17 @@ class Soak:
 
     def _generate(self, model: str, body: dict, disconnect: bool) -> str | None:
         timeout = self.args.abandon_timeout if disconnect else self.args.request_timeout
-        r = httpx.post(f"{self.base}/v2/models/{model}/generate", content=json.dumps(body),
-                       headers={"content-type": "application/json"}, timeout=timeout)
+        r = http.post(f"{self.base}/v2/models/{model}/generate", content=json.dumps(body),
+                      headers={"content-type": "application/json"}, timeout=timeout)
         if r.status_code != 200:
             raise _Refused(r.status_code, r.text)
         return r.json()["text_output"]
 
     def _stream(self, model: str, body: dict, disconnect: bool) -> str | None:
         pieces = []
-        with httpx.stream("POST", f"{self.base}/v2/models/{model}/generate_stream",
-                          content=json.dumps({**body, "stream": True}),
-                          headers={"content-type": "application/json"}, timeout=self.args.request_timeout) as r:
+        with http.stream("POST", f"{self.base}/v2/models/{model}/generate_stream",
+                         content=json.dumps({**body, "stream": True}),
+                         headers={"content-type": "application/json"}, timeout=self.args.request_timeout) as r:
             if r.status_code != 200:
                 raise _Refused(r.status_code, r.read().decode(errors="replace"))
             for line in r.iter_lines():
@@ -432,8 +432,8 @@ class Soak:
 
         def give_up():
             try:
-                httpx.post(url, content=body, headers={"content-type": "application/json"},
-                           timeout=self.args.abandon_timeout)
+                http.post(url, content=body, headers={"content-type": "application/json"},
+                          timeout=self.args.abandon_timeout)
             except (httpx.TimeoutException, httpx.TransportError):
                 pass
 
@@ -535,8 +535,8 @@ class Soak:
 
         def one():
             try:
-                httpx.post(f"{self.base}/v2/models/tensorrt_llm_bls/generate", content=body,
-                           headers={"content-type": "application/json"}, timeout=self.args.request_timeout)
+                http.post(f"{self.base}/v2/models/tensorrt_llm_bls/generate", content=body,
+                          headers={"content-type": "application/json"}, timeout=self.args.request_timeout)
             except httpx.HTTPError:
                 pass
 
@@ -584,8 +584,8 @@ def send_hostile(base: str, case: str, model: str, ep: str, prompt: str, n: int,
     """One hostile request: its status label (`classify`) and message."""
     content = hostile_body(case, prompt, n, stream=ep == "generate_stream")
     try:
-        with httpx.stream("POST", f"{base}/v2/models/{model}/{ep}", content=content,
-                          headers={"content-type": "application/json"}, timeout=timeout) as r:
+        with http.stream("POST", f"{base}/v2/models/{model}/{ep}", content=content,
+                         headers={"content-type": "application/json"}, timeout=timeout) as r:
             text = r.read().decode(errors="replace")
     except (httpx.TimeoutException, httpx.TransportError) as e:
         return "transport_error", f"{type(e).__name__}: {e}"
@@ -629,8 +629,8 @@ def _flood_process(base: str, n: int, concurrency: int, seed: int, timeout: floa
 
 def _answers_generate(base: str, timeout: float) -> bool:
     try:
-        r = httpx.post(f"{base}/v2/models/tensorrt_llm_bls/generate", timeout=timeout,
-                       json={"text_input": PROMPTS[0], "max_tokens": 2, "num_draft_tokens": 0})
+        r = http.post(f"{base}/v2/models/tensorrt_llm_bls/generate", timeout=timeout,
+                      json={"text_input": PROMPTS[0], "max_tokens": 2, "num_draft_tokens": 0})
     except httpx.HTTPError:
         return False
     return r.status_code == 200

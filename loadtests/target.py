@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from specbuild.core import wire
+from specbuild.core import http, wire
 from specbuild.core.errors import ServerError, UsageError
 from specbuild.core.metrics import metric_sum, parse_prometheus
 
@@ -38,7 +38,7 @@ def preflight(url: str, model: str, *, timeout: float = 10.0, headers: dict[str,
 
     `headers` open the server's restricted APIs (model config, repository index) where it has them, e.g. the
     admin token of a `specbuild serve` server; without them a refused config reads as max_batch_size > 0."""
-    with httpx.Client(timeout=timeout, headers=headers or {}) as client:
+    with http.Client(timeout=timeout, headers=headers or {}) as client:
         ready = _get(client, f"{url}/v2/health/ready")
         if ready.status_code != 200:
             raise ServerError(f"Triton at {url} is up but not ready (HTTP {ready.status_code}); wait for "
@@ -86,7 +86,7 @@ def preflight_openai(url: str, model: str | None, *, timeout: float = 10.0) -> M
     """An OpenAI-compatible server: up and ready (`/health`, where it has one), `model` among `/v1/models`
     (default: the first one it serves). Any request field may be sent (servers ignore or refuse unknown
     ones: the smoke request tells)."""
-    with httpx.Client(timeout=timeout) as client:
+    with http.Client(timeout=timeout) as client:
         try:
             health = client.get(f"{url}/health")
             listed = client.get(f"{url}/v1/models")
@@ -121,7 +121,7 @@ def smoke_request(url: str, model: str, payload: dict[str, Any], stream: bool, t
             fields[fixed] = min(2, fields[fixed])
     path, body = wire.encode(api, "Hello", fields, model=model, stream=stream)
     try:
-        with httpx.Client(timeout=timeout) as client:
+        with http.Client(timeout=timeout) as client:
             resp = client.post(url + path, json=body)
     except httpx.HTTPError as e:
         raise ServerError(f"the smoke request to {url + path} failed ({type(e).__name__}: {e}).") from e
@@ -154,7 +154,7 @@ def scrape(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | 
     if not metrics_url:
         return None
     try:
-        text = httpx.get(metrics_url, timeout=timeout).text
+        text = http.get(metrics_url, timeout=timeout).text
     except httpx.HTTPError:
         return None
     out = parse_prometheus(text)
@@ -192,7 +192,7 @@ def wait_idle(metrics_url: str | None, timeout: float, *, poll: float = 0.5,
 def alive(url: str, timeout: float = 3.0) -> bool:
     """The server answers `GET /v2/health/live` (after a run, to tell a dead server from a slow one)."""
     try:
-        return httpx.get(f"{url}/v2/health/live", timeout=timeout).status_code == 200
+        return http.get(f"{url}/v2/health/live", timeout=timeout).status_code == 200
     except httpx.HTTPError:
         return False
 

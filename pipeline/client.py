@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from specbuild.core import contract, wire
+from specbuild.core import contract, http, wire
 from specbuild.core.errors import ServerError  # noqa: F401
 from specbuild.core.requests import (EMBEDDED, RequestError, adapt_request, client_model,  # noqa: F401
                                      request_body)
@@ -101,11 +101,9 @@ class Client:
         gen.chunks = [gen.text] if gen.text else []
 
     def _post(self, path: str, body: dict, stream: bool):
-        import httpx
-
         url = f"{self.url}/v2/models/{self.model}/{path}"
-        return httpx.stream("POST", url, json=body, timeout=self.timeout) if stream else \
-            httpx.post(url, json=body, timeout=self.timeout)
+        return http.stream("POST", url, json=body, timeout=self.timeout) if stream else \
+            http.post(url, json=body, timeout=self.timeout)
 
     def generate(self, prompt: str, **params: Any) -> Generation:
         """One non-streaming request (HTTP /generate)."""
@@ -196,9 +194,7 @@ class Client:
         return gen
 
     def metrics(self, metrics_url: str) -> dict[str, float]:
-        import httpx
-
-        return parse_metrics(httpx.get(metrics_url, timeout=10).text)
+        return parse_metrics(http.get(metrics_url, timeout=10).text)
 
 
 class OpenAIClient:
@@ -236,7 +232,7 @@ class OpenAIClient:
         url, body = self.request(prompt, False, **params)
         gen = Generation(sent_at=time.perf_counter())
         try:
-            resp = httpx.post(url, json=body, timeout=self.timeout)
+            resp = http.post(url, json=body, timeout=self.timeout)
         except httpx.HTTPError as e:
             raise ServerError(f"cannot reach {self.url}: {e}; is the server running?") from e
         if resp.status_code != 200:
@@ -256,7 +252,7 @@ class OpenAIClient:
         url, body = self.request(prompt, True, **params)
         gen = Generation(sent_at=time.perf_counter())
         try:
-            with httpx.stream("POST", url, json=body, timeout=self.timeout) as resp:
+            with http.stream("POST", url, json=body, timeout=self.timeout) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     raise self._refused(resp.status_code, resp.text)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from specbuild.core.constants import ADMIN_KEY, RESTRICTED_APIS, restriction_args  # noqa: F401 (API)
+from specbuild.core import http
 from specbuild.core.errors import ServerError, ToolNotAvailable, UsageError
 from specbuild.core.manifest import atomic_write_text, ensure_writable_dir, read_manifest, workspace_lock
 from specbuild.pipeline.stage import stage_dir
@@ -373,7 +374,7 @@ def is_ready(info: ServerInfo, timeout: float = 2.0) -> bool:
     import httpx
 
     try:
-        return httpx.get(f"{info.http_url}/v2/health/ready", timeout=timeout).status_code == 200
+        return http.get(f"{info.http_url}/v2/health/ready", timeout=timeout).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -479,10 +480,8 @@ def status(workdir: str | Path) -> dict:
            "metrics": info.metrics_url, "log": info.log_file, "repository": info.repository,
            "ready": is_ready(info)}
     with contextlib.suppress(Exception):
-        import httpx
-
-        index = httpx.post(f"{info.http_url}/v2/repository/index", json={}, headers=info.admin_headers,
-                           timeout=5).json()
+        index = http.post(f"{info.http_url}/v2/repository/index", json={}, headers=info.admin_headers,
+                          timeout=5).json()
         out["models"] = {m["name"]: m.get("state", "?") for m in index}
     return out
 

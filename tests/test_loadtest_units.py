@@ -501,3 +501,47 @@ def test_the_soak_counts_good_requests_slowed_beyond_their_p99_by_a_hostile_one(
     assert any("overlapped a hostile one" in r for r in soak.gate(report, args)["reasons"])
     report["slowed_by_hostile"] = got
     assert soak.gate(report, args)["passed"]
+
+
+def test_load_generators_build_one_tls_context_per_process(monkeypatch):
+    """httpx builds a TLS context (certifi's CA bundle, ~18 ms of CPU) for each top-level call unless handed one:
+    the soak's flood paid it per request and measured its own CPU. Every client goes through specbuild.core.http, which
+    builds one per process, with verification on."""
+    import http.server
+    import ssl
+    import threading
+
+    from specbuild.core import http as shttp
+    from specbuild.loadtests.soak import send_hostile
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            body = b'{"error": "max_tokens=0 must be >= 1"}'
+            self.send_response(400)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    loads = []
+    real = ssl.SSLContext.load_verify_locations
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations",
+                        lambda self, *a, **kw: (loads.append(1), real(self, *a, **kw))[1])
+    shttp.tls_context.cache_clear()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        for ep in ("generate", "generate_stream", "generate"):
+            label, message = send_hostile(base, "max_tokens_zero", "ensemble", ep, "Hi", 8, 10)
+            assert (label, message) == ("400", "max_tokens=0 must be >= 1")
+        with shttp.Client(timeout=10) as c:
+            assert c.post(f"{base}/x", json={}).status_code == 400
+        assert shttp.post(f"{base}/x", json={}, timeout=10).status_code == 400
+    finally:
+        server.shutdown()
+    assert len(loads) == 1, f"{len(loads)} CA bundles loaded for 5 requests"
+    assert shttp.tls_context().verify_mode == ssl.CERT_REQUIRED and shttp.tls_context().check_hostname
