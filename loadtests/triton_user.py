@@ -61,6 +61,8 @@ class Sample:
     acceptance_rate: float | None = None
     server_tokens: int | None = None               # the server's own count (OpenAI usage.completion_tokens)
     overhead_ms: float = 0.0                       # time spent in harness code (parsing, counting, events)
+    user: str | None = None                        # the Locust user that sent it ("<worker>-<n>", as seeded)
+    prompt: int | None = None                      # its prompt's index in the run's prompts
 
 
 class TritonUser(User):
@@ -122,11 +124,12 @@ class TritonUser(User):
         return fields
 
     def generate(self, prompt: str, input_tokens: int | None = None, output_tokens: int | None = None,
-                 client=None) -> Sample:
+                 client=None, prompt_index: int | None = None) -> Sample:
         counter, out = self._shared()
         client = client or self.client
         timer = Timer()
-        sample = Sample(start=timer.start, input_tokens=input_tokens)
+        sample = Sample(start=timer.start, input_tokens=input_tokens, user=getattr(self, "user_key", None),
+                        prompt=prompt_index)
         client.overhead = 0.0
         try:
             client.generate(prompt, self.fields(output_tokens), self.spec.stream, timer)

@@ -275,6 +275,20 @@ def test_chat_and_batch_speculation_on_vs_off_report(embedded, tmp_path):
             sm = acc["server_metrics"]
             assert "specbuild_draft_tokens_total" in sm["counters"] and sm["drafted"] >= acc["responses"]["drafted"]
             assert sm["mean_accepted_length"] >= 1
+    # a paired comparison: each user sends the same prompts in the same order under both settings
+    for profile in ("chat", "batch"):
+        sent = {}
+        for k in (0, 4):
+            rows = [json.loads(ln) for p in (out / "runs" / profile / f"num_draft_tokens-{k}" / "samples").glob(
+                "samples-*.jsonl") for ln in p.read_text().splitlines()]
+            by_user: dict = {}
+            for row in sorted((r for r in rows if r["kind"] == "request"), key=lambda r: r["start"]):
+                by_user.setdefault(row["user"], []).append(row["prompt"])
+            sent[k] = by_user
+        assert set(sent[0]) == set(sent[4]) and len(sent[0]) == 2, sent
+        for user, prompts in sent[0].items():
+            n = min(len(prompts), len(sent[4][user]))
+            assert n >= 1 and prompts[:n] == sent[4][user][:n], (profile, user, sent)
     assert cells[("batch", "num_draft_tokens=0")]["tpot_definition"] == "e2e / tokens (non-streaming)"
     gains = {g["profile"]: g for g in data["gains"]}
     assert set(gains) == {"chat", "batch"}
