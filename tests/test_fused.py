@@ -98,6 +98,44 @@ def test_int8_activations_approximate_the_linear_and_keep_rows_independent(schem
         assert torch.equal(q(x[r:r + 1].clone())[0], got[r]), r
 
 
+@needs_ext
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("k", [96, 128, 576, 1536])
+def test_block_int8_kernels_are_the_q8_scheme_exactly(scheme, k):
+    """The Q4_1 / Q8_0 x int8 kernels against the scheme written out in numpy: x rounded per block of 32 (xd =
+    max|x| / 127, xq = rint(x / xd) in fp32), the integer dots <q_b, xq_b>, then sum_b d_b xd_b <q_b, xq_b> (+ m_b
+    sum(x_b) for Q4_1). Whatever vector path the machine's build takes (AVX2: pairs of blocks; AVX-512, with or
+    without VNNI: quads of Q4_1 blocks, pairs of Q8_0 ones; K = 96 is a pair and a block, 128 one quad, 576 four
+    quads and a pair), each output is that sum to within fp32 rounding; a block or a lane in the wrong place is off
+    by far more."""
+    gen = torch.Generator().manual_seed(k)
+    lin = torch.nn.Linear(k, 24, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(24, k, generator=gen) * 0.05)
+    q, _ = BlockLinear.from_linear(lin, scheme)
+    q.activations = "int8"
+    x = torch.randn(3, k, generator=gen)
+    got = q(x).double().numpy()
+    nb = k // 32
+    if scheme == "q4_1":
+        qs = q.qs.numpy().reshape(24, nb, 16)
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)      # [N, nb, 32]: elements 0..31
+        d, m = q.d.numpy().reshape(24, nb), q.m.numpy().reshape(24, nb)
+    else:
+        codes = q.qs.numpy().view(np.int8).reshape(24, nb, 32).astype(np.int64)
+        d, m = q.d.numpy().reshape(24, nb), np.zeros((24, nb), np.float32)
+    xb = x.numpy().reshape(3, nb, 32)
+    amax = np.abs(xb).max(-1)
+    xd = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.rint(xb * inv[..., None]).astype(np.int64)                             # [rows, nb, 32]
+    dots = np.einsum("nbi,rbi->rnb", codes, xq).astype(np.float64)
+    scale = (d[None] * xd[:, None, :]).astype(np.float32).astype(np.float64)       # the fp32 product d_b xd_b
+    sums = xb.astype(np.float64).sum(-1)
+    ref = (dots * scale).sum(-1) + (m[None].astype(np.float64) * sums[:, None, :]).sum(-1)
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
 # ---- the fused layers against eager PyTorch ------------------------------------------------------------------
 @needs_ext
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])

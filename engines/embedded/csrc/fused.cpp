@@ -184,7 +184,20 @@ struct QRow {                      // one quantized row of x: K int8, and per bl
 };
 
 // pairs: lay blocks 2p and 2p+1 out as [their elements 0..15 | 0..15 | 16..31 | 16..31], the order one 32-byte
-// load of two Q4_1 blocks' nibbles comes in (pair_dot_q4_1); a last unpaired block stays in its own order.
+// load of two Q4_1 blocks' nibbles comes in (pair_dot_q4_1); a last unpaired block stays in its own order. With
+// AVX-512 (QUADS), blocks 4t..4t+3 as [their elements 0..15 x 4 | 16..31 x 4], the order of one 64-byte load
+// (quad_dot_q4_1); the pairs and the single block after the last whole quad as before.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QUADS 1
+#endif
+inline int64_t q8_at(int64_t b, int64_t i, int64_t nb, bool pairs) {
+#ifdef QUADS
+  if (pairs && (b | 3) < nb) return (b & ~int64_t(3)) * QK + (i / 16) * 64 + (b & 3) * 16 + i % 16;
+#endif
+  if (pairs && (b | 1) < nb) return (b & ~int64_t(1)) * QK + (i / 16) * 32 + (b & 1) * 16 + i % 16;
+  return b * QK + i;
+}
+
 inline void quantize_row_q8(const float* x, int64_t K, QRow& out, bool pairs = false) {
   const int64_t nb = K / QK;
   out.q.resize(K); out.d.resize(nb); out.s.resize(nb);
@@ -194,12 +207,7 @@ inline void quantize_row_q8(const float* x, int64_t K, QRow& out, bool pairs = f
     for (int i = 0; i < QK; i++) { amax = std::max(amax, std::fabs(xb[i])); sum += xb[i]; }
     const float d = amax / 127.f, inv = d > 0.f ? 127.f / amax : 0.f;
     out.d[b] = d; out.s[b] = sum;
-    for (int i = 0; i < QK; i++) {
-      int64_t at = b * QK + i;
-      if (pairs && (b | 1) < nb)                     // block b of pair p = b / 2: which half, which quarter
-        at = (b & ~int64_t(1)) * QK + (i / 16) * 32 + (b & 1) * 16 + i % 16;
-      out.q[at] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-    }
+    for (int i = 0; i < QK; i++) out.q[q8_at(b, i, nb, pairs)] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
   }
 }
 
@@ -212,6 +220,39 @@ inline __m256 pair_dot_q4_1(const uint8_t* qs, const int8_t* xq) {   // blocks b
       _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32))));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
+
+#ifdef QUADS
+// blocks b..b+3 (their 64 bytes of nibbles) against x in the quads layout: 16 int32 lanes, 4 per block, each the
+// same integer as pair_dot_q4_1's lane (exact sums of 8 products), so lanes 0-7 are pair b's and 8-15 pair b+2's.
+// VNNI's dpbusd (u8 x s8, 4 products into an int32) where the CPU has it; else maddubs + madd as pair_dot_q4_1.
+inline __m512 quad_dot_q4_1(const uint8_t* qs, const int8_t* xq) {
+  const __m512i bq = _mm512_loadu_si512(qs);
+  const __m512i mask = _mm512_set1_epi8(15);
+  const __m512i lo = _mm512_and_si512(bq, mask), hi = _mm512_and_si512(_mm512_srli_epi16(bq, 4), mask);
+  const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
+#if defined(__AVX512VNNI__)
+  const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0), hi, x1);
+#else
+  const __m512i p = _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, x0), _mm512_maddubs_epi16(hi, x1)),
+                                      _mm512_set1_epi16(1));
+#endif
+  return _mm512_cvtepi32_ps(p);
+}
+
+// Q8_0 blocks b, b+1 (64 bytes) against x blocks b, b+1 (natural order): 16 int32 lanes, 8 per block, the same
+// integers as block_dot_q8_0's (|q| x (x signed by q), 4 products a lane; |xq| <= 127, so no overflow).
+inline __m512i q8_abs(const int8_t* qs) { return _mm512_abs_epi8(_mm512_loadu_si512(qs)); }
+inline __m512 duo_dot_q8_0(const __m512i aq, __mmask64 neg, const int8_t* xq) {
+  const __m512i x = _mm512_loadu_si512(xq);
+  const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+#if defined(__AVX512VNNI__)
+  const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq, sx);
+#else
+  const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(aq, sx), _mm512_set1_epi16(1));
+#endif
+  return _mm512_cvtepi32_ps(p);
+}
+#endif
 
 inline __m256 block_dot_q4_1(const uint8_t* qs, const int8_t* xq) {    // 8 int32 lanes of <q, xq>, as floats
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -241,6 +282,45 @@ inline void q8_dot_rows(const uint8_t* q, const float* dn, const float* mn, cons
                      : block_dot_q8_0(reinterpret_cast<const int8_t*>(q + b * qbytes), xq);
   };
   int64_t b = 0;
+#ifdef QUADS
+  if (KIND == 1 && nb >= 4) {                          // four blocks per load: pair b into a0, pair b + 2 into a1
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 a[G];
+    for (int r = 0; r < G; r++) a[r] = _mm512_setzero_ps();
+    for (; b + 4 <= nb; b += 4) {
+      const __m128 dq = _mm_loadu_ps(dn + b);
+      for (int r = 0; r < G; r++) {                  // the scales of blocks b..b+3, each on its block's 4 lanes
+        const __m512 sc = _mm512_permutexvar_ps(
+            spread, _mm512_castps128_ps512(_mm_mul_ps(dq, _mm_loadu_ps(xr[r]->d.data() + b))));
+        a[r] = _mm512_fmadd_ps(quad_dot_q4_1(q + b * qbytes, xr[r]->q.data() + b * QK), sc, a[r]);
+      }
+    }
+    for (int r = 0; r < G; r++) {
+      a0[r] = _mm512_castps512_ps256(a[r]);
+      a1[r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1));
+    }
+  }
+  if (KIND == 2 && nb >= 2) {                          // two blocks per load: block b into a0, block b + 1 into a1
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 a[G];
+    for (int r = 0; r < G; r++) a[r] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+      const int8_t* qb = reinterpret_cast<const int8_t*>(q + b * qbytes);
+      const __m512i aq = q8_abs(qb);
+      const __mmask64 neg = _mm512_movepi8_mask(_mm512_loadu_si512(qb));
+      const __m128 dq = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dn + b)));
+      for (int r = 0; r < G; r++) {
+        const __m128 xd = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xr[r]->d.data() + b)));
+        const __m512 sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(dq, xd)));
+        a[r] = _mm512_fmadd_ps(duo_dot_q8_0(aq, neg, xr[r]->q.data() + b * QK), sc, a[r]);
+      }
+    }
+    for (int r = 0; r < G; r++) {
+      a0[r] = _mm512_castps512_ps256(a[r]);
+      a1[r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1));
+    }
+  }
+#endif
   if (KIND == 1) {                                     // two blocks per load (pairs layout of x)
     for (; b + 2 <= nb; b += 2) {
       for (int r = 0; r < G; r++) {
