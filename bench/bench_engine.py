@@ -91,7 +91,8 @@ def engine_dir(workdir: Path, quantize: str = "int4", max_draft_len: int = 8) ->
         stale = (cfg.get("schema", 1) < 2 or "draft_activations" not in cfg
                  or (bool(cal) and "by_concurrency" not in cal)          # costs priced at one sequence only
                  or cal.get("linear_kernel", "aten") != auto_linear_kernel()
-                 or cal.get("decode_step", "eager") != ("fused" if fused.extension() is not None else "eager"))
+                 or cal.get("decode_step", "eager") != ("fused" if fused.extension() is not None else "eager")
+                 or (cal.get("decode_step") == "fused" and cal.get("fused_kernels") != fused.kernels_id()))
     result = build(workdir=workdir, draft_quantize=quantize, max_batch_size=8, max_seq_len=1024, progress=log,
                    max_draft_len=max_draft_len, force=stale)
     return result.out_dir

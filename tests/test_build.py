@@ -85,6 +85,11 @@ def test_build_writes_engine_dir_and_sane_calibration(pair_workdir):
     assert sorted(at2["t_verify_s"]) == ["1", "2", "4"] and min(at2["t_verify_s"].values()) > 0
     assert at2["t_target_s"] > 0 and at2["t_draft_s"] > 0
     assert cal["cost_ratio"] == pytest.approx(cal["t_draft_s"] / cal["t_target_s"])
+    # what the costs were measured on, down to the fused kernels' build (other kernels: another engine's costs)
+    from specbuild.engines.embedded import fused
+
+    assert cal["decode_step"] == ("fused" if fused.extension() is not None else "eager")
+    assert cal.get("fused_kernels") == (fused.kernels_id() if cal["decode_step"] == "fused" else None)
     best = max(cal["predicted_speedup"].values())
     assert cal["predicted_speedup"][str(cal["recommended_k"])] == best
     smoke = next(c for c in result.manifest["checks"] if c["name"] == "smoke-generation")

@@ -276,6 +276,10 @@ def _calibrate(ctx: StageContext, engine, opts: dict[str, Any], *, has_draft: bo
     calibration = cal.to_dict()
     calibration["linear_kernel"] = linear_kernel_of(engine.target)     # what the costs were measured on
     calibration["decode_step"] = decode_step_of(engine.target, engine.scorer.cache)
+    if calibration["decode_step"] == "fused":
+        from specbuild.engines.embedded.fused import kernels_id
+
+        calibration["fused_kernels"] = kernels_id()
     calibration["draft_activations"] = engine.config.draft_activations
     if opts["num_draft_tokens"] is None:
         default_k = cal.recommended_k

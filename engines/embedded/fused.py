@@ -57,6 +57,16 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+def kernels_id() -> str:
+    """What the extension computes with on this machine, whatever checkout it was built from: its source, flags,
+    torch and CPU (`extension_name` also hashes the source's path). A calibration records it: step costs measured
+    on other kernels are another engine's (bench_engine.py rebuilds on a mismatch)."""
+    h = hashlib.sha256()
+    for part in (_source().read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_id().encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
 def extension_name() -> str:
     h = hashlib.sha256()
     # the source's path too: ninja's build file names it, so two checkouts sharing one cache would otherwise
