@@ -263,3 +263,30 @@ def test_explicit_options_win_over_the_measured_policy(tmp_path, tiny_llama, tin
     cfg = json.loads((tmp_path / "engines" / "engine_config.json").read_text())
     assert "crossover" not in off.calibration
     assert cfg["policy"]["max_concurrency"] is None and cfg["policy"]["k"] == "adaptive"
+
+
+def test_crossover_confirms_a_loss_and_a_marginal_gain_but_not_a_clear_gain(monkeypatch):
+    """Each concurrency's speedup is the median of off/on pairs; below CLEAR_GAIN (1.05) three more pairs are
+    measured before it counts, so a gain within the probe's noise (1.02x, then 0.95x) does not set the cut-off."""
+    import types
+
+    from specbuild.engines.embedded import calibrate
+
+    ratios = {1: [2.0, 2.0], 2: [1.3, 1.3], 3: [1.03, 1.02, 0.95, 0.96, 0.94], 4: [1.5] * 5}
+    pairs: dict = {}
+
+    def rate(engine, prompts, *, k, proposer, steps, max_tokens):
+        b = len(prompts)
+        if k == 0:
+            return 1.0
+        i = pairs[b] = pairs.get(b, -1) + 1
+        return ratios[b][i]
+
+    monkeypatch.setattr(calibrate, "_decode_rate", rate)
+    tok = types.SimpleNamespace(encode=lambda text, add_special_tokens=True: [1, 2, 3],
+                                apply_chat_template=lambda *a, **kw: "x", chat_template=None)
+    engine = types.SimpleNamespace(tokenizer=tok, config=types.SimpleNamespace(max_draft_len=4, max_seq_len=256))
+    got = calibrate.measure_crossover(engine, proposer="draft", k=-1, max_batch_size=4, budget_s=60)
+    assert {b: pairs[b] + 1 for b in pairs} == {1: 2, 2: 2, 3: 5}       # 3 re-measured; 4 never reached
+    assert got["speedup_by_batch"] == {"1": 2.0, "2": 1.3, "3": 0.96}
+    assert got["crossover"] == 3 and got["spec_max_concurrency"] == 2

@@ -293,6 +293,9 @@ def _decode_rate(engine, prompts: list[list[int]], *, k: int, proposer: str | No
             engine.abort(r)
 
 
+CLEAR_GAIN = 1.05       # a crossover pair's median below this is measured again (measure_crossover)
+
+
 def measure_crossover(engine, *, proposer: str, k: int, max_batch_size: int, steps: int = 8, reps: int = 2,
                       confirm_reps: int = 3, prompt_tokens: int = 32, budget_s: float = 20.0,
                       progress: Callable[[str], None] | None = None) -> dict:
@@ -300,8 +303,10 @@ def measure_crossover(engine, *, proposer: str, k: int, max_batch_size: int, ste
     `crossover_batches`, on the engine itself (continuous batching, greedy, built-in prompts).
 
     Each concurrency is measured `reps` times, off and on back to back (the ratio of each pair, then the
-    median, so a load burst on a shared machine hits both alike); a median below 1.0 is re-measured with
-    `confirm_reps` more pairs before it counts (one noisy pair must not switch speculation off). Measuring
+    median, so a load burst on a shared machine hits both alike); a median below `CLEAR_GAIN` (1.05) is
+    re-measured with `confirm_reps` more pairs before it counts: one noisy pair must not switch speculation off,
+    nor a gain within the probe's noise switch it on (the Intel Xeon's probe gave 1.02x at 4 sequences where
+    the served bench then measured 0.90-0.97x, bench/README.md "2026-12-04"). Measuring
     stops at the first concurrency
     where speculation is slower (the crossover), or when `budget_s` is spent. -> {"speedup_by_batch": {b: x},
     "crossover": first b with x < 1 (None: it paid at every measured b), "spec_max_concurrency": the largest
@@ -324,8 +329,8 @@ def measure_crossover(engine, *, proposer: str, k: int, max_batch_size: int, ste
         prompts = [pool[i % len(pool)] for i in range(b)]
         ratios: list[float] = []
         for rep in range(reps + confirm_reps):
-            if rep == reps and statistics.median(ratios) >= 1.0:
-                break                        # a loss is confirmed with `confirm_reps` more pairs, a gain is not
+            if rep == reps and statistics.median(ratios) >= CLEAR_GAIN:
+                break                        # a loss or a marginal gain is confirmed with more pairs, a clear gain not
             off = _decode_rate(engine, prompts, k=0, proposer=None, steps=steps, max_tokens=max_tokens)
             on = _decode_rate(engine, prompts, k=k, proposer=proposer, steps=steps, max_tokens=max_tokens)
             ratios.append(on / off if off > 0 else 0.0)
