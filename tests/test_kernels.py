@@ -268,7 +268,7 @@ def test_the_measured_choice_is_saved_beside_the_extension_and_read_back(monkeyp
         assert json.loads((tmp_path / step.CHOICE_FILE).read_text())["kernel"] == got["kernel"]
     else:                                   # measured on a busy machine: this process only
         assert not (tmp_path / step.CHOICE_FILE).exists()
-    (tmp_path / step.CHOICE_FILE).write_text(json.dumps({**got, "kernel": "onednn"}))   # read, not re-measured
+    (tmp_path / step.CHOICE_FILE).write_text(json.dumps({**got, "kernel": "onednn", "stable": True}))   # read back
     monkeypatch.setattr(step, "_CHOICE", None)
     monkeypatch.setattr(step, "measure_linear_kernels", lambda: pytest.fail("measured again"))
     assert step.auto_linear_kernel() == "onednn"
@@ -304,3 +304,8 @@ def test_a_choice_measured_on_a_busy_machine_is_used_but_not_saved(monkeypatch, 
     monkeypatch.setattr(step, "measure_linear_kernels", lambda: dict(quiet))
     assert step.linear_kernel_choice()["kernel"] == "tiled"
     assert json.loads((tmp_path / step.CHOICE_FILE).read_text())["kernel"] == "tiled"
+    # a choice saved before the stability check (no "stable": perhaps a busy machine's) is measured again
+    (tmp_path / step.CHOICE_FILE).write_text(json.dumps({"kernel": "onednn", "tiled_ms": 152.7, "onednn_ms": 128.3}))
+    monkeypatch.setattr(step, "_CHOICE", None)
+    assert step.linear_kernel_choice()["kernel"] == "tiled"
+    assert json.loads((tmp_path / step.CHOICE_FILE).read_text())["stable"] is True
