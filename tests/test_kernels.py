@@ -24,6 +24,14 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch bui
 needs_ext = pytest.mark.skipif(fused.extension() is None, reason=f"fused decode step: {fused.status()}")
 
 
+def _pack_all(checkpoint, kernel):
+    """(the model as loaded, a second copy with every fp32 linear put on `kernel`)."""
+    ref, model = load_model(checkpoint), load_model(checkpoint)
+    n_linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    assert pack_linears_(model, kernel) == n_linears > 0
+    return ref, model
+
+
 def _linear(n_out, n_in, bias, seed):
     gen = torch.Generator().manual_seed(seed)
     lin = nn.Linear(n_in, n_out, bias=bias)
@@ -64,19 +72,14 @@ def test_tiled_rows_do_not_depend_on_the_other_rows_at_any_row_count():
 def test_auto_puts_fp32_linears_on_the_kernel_measured_faster_here(tiny_llama):
     """"auto" is the machine's measured pick (tiled or oneDNN: `linear_kernel.json` beside the extension), never
     an assumption about which one wins: on a machine or a setup run where oneDNN measured faster, auto is oneDNN."""
-    model = load_model(tiny_llama)
-    n_linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
-    assert pack_linears_(model) == n_linears > 0
+    ref, model = _pack_all(tiny_llama, "auto")
     assert linear_kernel_of(model) == auto_linear_kernel() == linear_kernel_choice()["kernel"]
-    _assert_same_logits(model, load_model(tiny_llama))
+    _assert_same_logits(model, ref)
 
 
 @needs_ext
 def test_tiled_kernel_keeps_the_checkpoints_weights_and_a_tied_lm_head_stays_the_embedding(tiny_llama):
-    ref = load_model(tiny_llama)
-    model = load_model(tiny_llama)
-    n_linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
-    assert pack_linears_(model, "tiled") == n_linears > 0
+    ref, model = _pack_all(tiny_llama, "tiled")
     assert linear_kernel_of(model) == "tiled"
     assert model.num_bytes() == ref.num_bytes()            # no copies (oneDNN holds a reordered one per layer)
     if model.cfg.tie_word_embeddings:
@@ -160,10 +163,7 @@ def test_a_sequences_logits_do_not_depend_on_who_shares_its_batch(tiny_llama):
 
 @needs_onednn
 def test_pack_swaps_only_fp32_linears_and_keeps_the_models_output(tiny_llama):
-    ref = load_model(tiny_llama)
-    model = load_model(tiny_llama)
-    n_linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
-    assert pack_linears_(model, "onednn") == n_linears > 0
+    ref, model = _pack_all(tiny_llama, "onednn")
     assert linear_kernel_of(model) == "onednn" and linear_kernel_of(ref) == "aten"
     assert model.num_bytes() == ref.num_bytes() + ref.lm_head.weight.numel() * 4   # tied lm_head: own packed copy
     _assert_same_logits(model, ref)
