@@ -57,24 +57,26 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def kernels_id() -> str:
-    """What the extension computes with on this machine, whatever checkout it was built from: its source, flags,
-    torch and CPU (`extension_name` also hashes the source's path). A calibration records it: step costs measured
-    on other kernels are another engine's (bench_engine.py rebuilds on a mismatch)."""
+def _digest(*parts: bytes) -> str:
     h = hashlib.sha256()
-    for part in (_source().read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_id().encode()):
+    for part in parts:
         h.update(part)
     return h.hexdigest()[:16]
 
 
+def kernels_id() -> str:
+    """What the extension computes with on this machine, whatever checkout it was built from: its source, flags,
+    torch and CPU (`extension_name` also hashes the source's path). A calibration records it: step costs measured
+    on other kernels are another engine's (bench_engine.py rebuilds on a mismatch)."""
+    return _digest(_source().read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_id().encode())
+
+
 def extension_name() -> str:
-    h = hashlib.sha256()
     # the source's path too: ninja's build file names it, so two checkouts sharing one cache would otherwise
     # rebuild the one extension in turn (each load waiting on the other's build lock)
-    for part in (_source().read_bytes(), str(_source().resolve()).encode(), " ".join(CFLAGS).encode(),
-                 torch.__version__.encode(), _cpu_id().encode(), sys.version.encode()):
-        h.update(part)
-    return f"specbuild_fused_{h.hexdigest()[:16]}"
+    return "specbuild_fused_" + _digest(_source().read_bytes(), str(_source().resolve()).encode(),
+                                        " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_id().encode(),
+                                        sys.version.encode())
 
 
 def build_dir() -> Path:

@@ -23,6 +23,7 @@ from specbuild.engines.embedded.quant import BlockLinear, Int8Linear, dequantize
 
 log = logging.getLogger(__name__)
 CHOICE_FILE = "linear_kernel.json"      # in fused.build_dir(): the fp32 kernel measured fastest on this machine
+STABLE_SPREAD = 1.25     # a measurement whose median repetition is slower than its fastest by more is not saved
 _CHOICE: dict | None = None
 
 
@@ -115,15 +116,13 @@ def linear_kernel_choice() -> dict:
     return _CHOICE
 
 
-STABLE_SPREAD = 1.25     # a measurement whose median repetition is slower than its fastest by more is not saved
-
-
 def measure_linear_kernels(reps: int = 5) -> dict:
     """Time the tiled kernel and oneDNN's packed linear on this machine, round-robin, on decode-shaped work: 12
     distinct 3072 x 576 fp32 weights (85 MB: more than a last-level cache, so they stream from memory as a model's
     layers do) at 1 row (a decode step) and 9 rows (a verify of K = 8). -> the faster ("tiled" on a tie: it keeps
-    no second copy of the weights) by each one's fastest repetition, and whether the timings were stable. Not by vendor or ISA: the AVX2 tiled kernel read weights at
-    21-24 GB/s where oneDNN read 13-18 on a 2-core AMD EPYC (bench/README.md, "Linears")."""
+    no second copy of the weights) by each one's fastest repetition, and whether the timings were stable. Not by
+    vendor or ISA: the AVX2 tiled kernel read weights at 21-24 GB/s where oneDNN read 13-18 on a 2-core AMD EPYC
+    (bench/README.md, "Linears")."""
     from specbuild.engines.embedded.kernels import onednn_linear
 
     ext = extension()

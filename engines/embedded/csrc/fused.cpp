@@ -252,6 +252,12 @@ inline __m512 duo_dot_q8_0(const __m512i aq, __mmask64 neg, const int8_t* xq) {
 #endif
   return _mm512_cvtepi32_ps(p);
 }
+
+// an AVX-512 accumulator as the AVX2 path's two chains: lanes 0-7 (a0) and 8-15 (a1)
+inline void halves(__m512 a, __m256& lo, __m256& hi) {
+  lo = _mm512_castps512_ps256(a);
+  hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
 #endif
 
 inline __m256 block_dot_q4_1(const uint8_t* qs, const int8_t* xq) {    // 8 int32 lanes of <q, xq>, as floats
@@ -295,10 +301,7 @@ inline void q8_dot_rows(const uint8_t* q, const float* dn, const float* mn, cons
         a[r] = _mm512_fmadd_ps(quad_dot_q4_1(q + b * qbytes, xr[r]->q.data() + b * QK), sc, a[r]);
       }
     }
-    for (int r = 0; r < G; r++) {
-      a0[r] = _mm512_castps512_ps256(a[r]);
-      a1[r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1));
-    }
+    for (int r = 0; r < G; r++) halves(a[r], a0[r], a1[r]);
   }
   if (KIND == 2 && nb >= 2) {                          // two blocks per load: block b into a0, block b + 1 into a1
     const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -315,10 +318,7 @@ inline void q8_dot_rows(const uint8_t* q, const float* dn, const float* mn, cons
         a[r] = _mm512_fmadd_ps(duo_dot_q8_0(aq, neg, xr[r]->q.data() + b * QK), sc, a[r]);
       }
     }
-    for (int r = 0; r < G; r++) {
-      a0[r] = _mm512_castps512_ps256(a[r]);
-      a1[r] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r]), 1));
-    }
+    for (int r = 0; r < G; r++) halves(a[r], a0[r], a1[r]);
   }
 #endif
   if (KIND == 1) {                                     // two blocks per load (pairs layout of x)
