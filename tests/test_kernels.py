@@ -47,24 +47,51 @@ def _linear(n_out, n_in, bias, seed):
 def test_tiled_linear_computes_what_linear_computes(bias):
     lin, gen = _linear(83, 96, bias, 11)                   # 83 outputs: full weight tiles and a remainder
     tiled = TiledLinear(lin, fused.extension())
-    for shape in [(1, 96), (2, 96), (3, 96), (7, 96), (2, 5, 96), (129, 96), (300, 96)]:   # > 128 rows: ATen
+    for shape in [(1, 96), (2, 96), (3, 96), (7, 96), (2, 5, 96), (129, 96), (300, 96)]:   # every tile shape
         x = torch.randn(*shape, generator=gen)
         torch.testing.assert_close(tiled(x), lin(x), rtol=1e-4, atol=1e-4)
     x = torch.randn(3, 6, 96, generator=gen)[:, 1:4]          # a non-contiguous view, as a split produces
     torch.testing.assert_close(tiled(x), lin(x), rtol=1e-4, atol=1e-4)
-    assert tiled.weight is lin.weight                          # the layer's own tensor: no copy
+    assert torch.equal(tiled.weight, lin.weight)              # the panels unpack to the layer's weight, exactly
+    assert tiled.panels.shape == (6, 96, 16) and not tiled.panels[-1, :, 3:].any()   # 83 = 5 x 16 + 3, zero-padded
+
+
+@needs_ext
+def test_tiled_outputs_are_one_fma_chain_in_input_order():
+    """Every output is fma(x[K-1], w[K-1], ... fma(x[0], w[0], 0)) in fp32: what makes a row's result independent
+    of the tile, the row count and the vector width (AVX2 and AVX-512 builds agree bitwise). Written out in numpy:
+    np.float32 products and sums round as fma does only where x * w is exact, so the inputs are small integers
+    times powers of two (every product and partial sum exact in fp32) plus one inexact column that is summed
+    last, where the order decides the rounding."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(5)
+    n, k = 40, 64
+    w = torch.randint(-8, 8, (n, k), generator=gen).float() / 4
+    x = torch.randint(-8, 8, (3, k), generator=gen).float() / 8
+    x[:, -1] = torch.tensor([1e-3, 3.3e-4, 7e-5])              # a last term far below the sum's ulp: rounds in order
+    w[:, -1] = 1.0
+    lin = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    got = TiledLinear(lin, fused.extension())(x)
+    xs, ws = x.numpy(), w.numpy()
+    want = np.zeros((3, n), dtype=np.float32)
+    for i in range(k):                                        # in order: each step's sum rounded to fp32
+        want = (want + xs[:, i:i + 1] * ws[:, i][None, :]).astype(np.float32)
+    assert np.array_equal(got.numpy(), want)
 
 
 @needs_ext
 def test_tiled_rows_do_not_depend_on_the_other_rows_at_any_row_count():
-    """Batch invariance at the kernel for every tile shape (1, 2, 3 and 4-row tiles, and their remainders): row i
-    of an m-row call is bitwise row i computed alone, for m up to TILED_MAX_ROWS."""
+    """Batch invariance at the kernel for every tile shape (1-6 row tiles, every panel remainder): row i of an
+    m-row call is bitwise row i computed alone, at any row count (a prefill chunk of 300 rows too)."""
     lin, gen = _linear(1001, 576, True, 12)
     tiled = TiledLinear(lin, fused.extension())
-    limit = fused.extension().TILED_MAX_ROWS
+    limit = 300
     x = torch.randn(limit, 576, generator=gen)
     alone = torch.cat([tiled(x[i:i + 1]) for i in range(limit)])
-    for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 72, limit):
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 72, 129, limit):
         assert torch.equal(tiled(x[:m]), alone[:m]), m
 
 
@@ -78,12 +105,19 @@ def test_auto_puts_fp32_linears_on_the_kernel_measured_faster_here(tiny_llama):
 
 
 @needs_ext
-def test_tiled_kernel_keeps_the_checkpoints_weights_and_a_tied_lm_head_stays_the_embedding(tiny_llama):
+def test_tiled_kernel_holds_each_weight_once_in_panels_and_a_tied_lm_head_keeps_the_embedding(tiny_llama):
     ref, model = _pack_all(tiny_llama, "tiled")
     assert linear_kernel_of(model) == "tiled"
-    assert model.num_bytes() == ref.num_bytes()            # no copies (oneDNN holds a reordered one per layer)
+    panel_bytes = sum(m.panels.numel() * 4 for m in model.modules() if isinstance(m, TiledLinear))
+    plain_bytes = sum(m.weight.numel() * 4 for m in ref.modules() if type(m) is nn.Linear
+                      and not (ref.cfg.tie_word_embeddings and m is ref.lm_head))
+    tied = model.lm_head.panels.numel() * 4 if model.cfg.tie_word_embeddings else 0
+    # the layers' weights moved into panels (padded to 16 outputs), no second copy; a tied lm_head's panels are
+    # one, since the embedding stays for the lookup
+    assert model.num_bytes() - ref.num_bytes() == panel_bytes - plain_bytes
+    assert all(type(m) is not nn.Linear for m in model.modules())
     if model.cfg.tie_word_embeddings:
-        assert model.lm_head.weight is model.embed.weight
+        assert torch.equal(model.lm_head.weight, model.embed.weight) and tied > 0
     _assert_same_logits(model, ref)
 
 

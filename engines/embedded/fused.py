@@ -188,9 +188,10 @@ def build(progress=print) -> bool:
             return False
     lin = torch.randn(40, 64, generator=gen)
     xs = torch.randn(9, 64, generator=gen)
-    got = ext.tiled_linear(xs, lin, torch.empty(0))
+    panels = ext.pack_panels(lin)
+    got = ext.tiled_linear(xs, panels, torch.empty(0), 40)
     if not torch.allclose(got, xs @ lin.T, rtol=1e-4, atol=1e-4) or \
-            not torch.equal(ext.tiled_linear(xs[4:5], lin, torch.empty(0)), got[4:5]):
+            not torch.equal(ext.tiled_linear(xs[4:5], panels, torch.empty(0), 40), got[4:5]):
         progress("fused decode step: the tiled fp32 kernel disagrees with PyTorch here; not used")
         _EXT, _WHY = None, "the tiled fp32 kernel disagreed with PyTorch when probed"
         return False

@@ -2,10 +2,11 @@
 oneDNN with the weight reordered once at load (`PackedLinear`); `step.pack_linears_` puts a model on whichever
 measured faster on the machine it runs on (`step.auto_linear_kernel`).
 
-Tiled, measured on the 2-core AMD EPYC (AVX2, no AVX-512; torch 2.13.0+cpu, oneDNN 3.12, 2 threads), 30 distinct
-weights streamed from memory, time ÷ oneDNN's: 1 row 0.59-0.81×, 2-4 rows 0.50-0.87×, 9 rows 0.69-0.93×, 72 rows
-0.70-0.98× (qkv, down, gate_up, lm_head shapes). One row reads a weight at 21-24 GB/s where oneDNN reads 13-18 and
-a plain sum 25-28. It keeps the checkpoint's own weight (no reordered copy; a tied lm_head stays the embedding).
+Tiled: the weight in panels of 16 outputs interleaved by input, outer-product tiles, one fma chain per output
+(`TiledLinear`). The first tiled kernel (one dot product per output, on the checkpoint's own weight) measured, on
+the 2-core AMD EPYC (AVX2, no AVX-512; torch 2.13.0+cpu, oneDNN 3.12, 2 threads), 30 distinct weights streamed,
+time ÷ oneDNN's: 1 row 0.59-0.81×, 2-4 rows 0.50-0.87×, 9 rows 0.69-0.93×, 72 rows 0.70-0.98×; the panels replaced
+it at 0.58-0.93× its time (AMD EPYC Zen 4, AVX-512; bench/README.md "Panels").
 
 Why: PyTorch's default fp32 linear on CPU (MKL sgemm) is fast for one row (it becomes a GEMV) but packs the
 whole weight on every call with 2+ rows, so a verify of K+1 positions, a batch of 8 decode rows or the lm_head
@@ -89,32 +90,41 @@ class PackedLinear(nn.Module):
 
 
 class TiledLinear(nn.Module):
-    """`nn.Linear` (fp32, CPU) on the fused extension's tiled kernel (csrc/fused.cpp `tiled_gemm`): the layer's own
-    weight (no copy; a tied lm_head stays the embedding), every output one fixed chain of fmas, so rows are
-    batch-invariant at any row count up to `TILED_MAX_ROWS` (128: every decode and verify step of an engine with
-    max_batch_size x (max_draft_len + 1) <= 128); more rows (a prefill chunk) go to ATen's linear.
+    """`nn.Linear` (fp32, CPU) on the fused extension's tiled kernel (csrc/fused.cpp `tiled_gemm`). The weight lives
+    only in the kernel's panel layout (`panels`: [ceil(out / 16), in, 16], 16 outputs' weights interleaved by
+    input, packed once at load), as oneDNN keeps its reordered copy; a tied lm_head's panels are a second copy of
+    the embedding, which stays for the lookup. Every output is one fma chain over the input in order, so rows are
+    batch-invariant at any row count (a prefill chunk too), and AVX2 and AVX-512 builds compute the same bits.
 
-    Why not oneDNN for decode rows: on the 2-core AMD EPYC (AVX2) oneDNN's fp32 linear streams a weight at 13-18
-    GB/s at 1 row where a plain sum reads 25-28; the tiled kernel reads it at 21-24 and is also faster at 2-72 rows
-    (the table in bench/README.md, "Linears"). `ext` is the loaded extension (step.pack_linears_ passes it)."""
+    Why: a weight is read from memory once per call at any row count, and a verify of K + 1 positions (or several
+    sequences' rows) reuses it from cache in outer-product tiles of up to 6 rows x 64 outputs. On a 2-core AMD EPYC
+    Zen 4 (AVX-512) the panels took 0.77-0.93x the time of the dot-product kernel they replaced at 1 row and
+    0.58-0.72x at 2-36 rows (bench/README.md, "Panels"); `step.auto_linear_kernel` still measures this kernel
+    against oneDNN on the machine it runs on. `ext` is the loaded extension (step.pack_linears_ passes it)."""
 
     def __init__(self, linear: nn.Linear, ext):
         super().__init__()
-        self.weight = linear.weight                     # the same Parameter: shared with a tied embedding
+        w = linear.weight.detach()
+        self.out_features, self.in_features = w.shape
+        self.register_buffer("panels", ext.pack_panels(w.float().contiguous()), persistent=False)
         self.bias = linear.bias
-        self.out_features, self.in_features = self.weight.shape
         self._ext = ext
         self._none = torch.empty(0)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The [out, in] weight, unpacked from the panels (a new tensor: the layer computes on the panels)."""
+        p = self.panels
+        return p.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        w = self.weight.detach()
         b = self._none if self.bias is None else self.bias.detach()
-        y = self._ext.tiled_linear(x.reshape(-1, self.in_features).float(), w, b)
+        y = self._ext.tiled_linear(x.reshape(-1, self.in_features).float(), self.panels, b, self.out_features)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=tiled"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=tiled (16-output panels)"
 
 
 def onednn_available() -> bool:

@@ -32,8 +32,8 @@ def pack_linears_(model: nn.Module, kernel: str = "auto") -> int:
 
     kernel: "auto" (whichever of the fused extension's tiled kernel and oneDNN measured faster here, see
     `auto_linear_kernel`; oneDNN without the extension; aten without either),
-    "tiled" / "onednn" (required: raises if unavailable), "aten" (no-op). Tiled layers keep their own weight
-    (`kernels.TiledLinear`); oneDNN ones hold a reordered copy (`kernels.PackedLinear`).
+    "tiled" / "onednn" (required: raises if unavailable), "aten" (no-op). Tiled layers hold their weight in the
+    kernel's panels (`kernels.TiledLinear`), oneDNN ones in its reordered layout (`kernels.PackedLinear`).
     An `Int8Linear` keeps its int8 kernel for decode rows and gets an fp32 oneDNN copy for prefill-sized inputs
     (`Int8Linear.prefill_min_rows`). Other layers (bf16, CUDA) are left alone."""
     if kernel not in LINEAR_KERNELS:
@@ -49,7 +49,6 @@ def pack_linears_(model: nn.Module, kernel: str = "auto") -> int:
     todo = [(name, m) for name, m in model.named_modules()
             if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     if ext is not None:
-        todo = [(n, m) for n, m in todo if m.in_features % 8 == 0 and m.weight.is_contiguous()]
         wrap = lambda m: TiledLinear(m, ext)  # noqa: E731
     elif onednn_available():
         wrap = PackedLinear
@@ -120,22 +119,23 @@ def measure_linear_kernels(reps: int = 5) -> dict:
     """Time the tiled kernel and oneDNN's packed linear on this machine, round-robin, on decode-shaped work: 12
     distinct 3072 x 576 fp32 weights (85 MB: more than a last-level cache, so they stream from memory as a model's
     layers do) at 1 row (a decode step) and 9 rows (a verify of K = 8). -> the faster ("tiled" on a tie: it keeps
-    no second copy of the weights) by each one's fastest repetition, and whether the timings were stable. Not by
-    vendor or ISA: the AVX2 tiled kernel read weights at 21-24 GB/s where oneDNN read 13-18 on a 2-core AMD EPYC
-    (bench/README.md, "Linears")."""
+    no library call between Python and the kernel) by each one's fastest repetition, and whether the timings were
+    stable. Not by vendor or ISA: on a 2-core AVX2 AMD EPYC the first tiled kernel read weights at 21-24 GB/s where
+    oneDNN read 13-18 (bench/README.md, "Linears"); on an Intel Xeon oneDNN may win, and then it is used."""
     from specbuild.engines.embedded.kernels import onednn_linear
 
     ext = extension()
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(3072, 576, generator=gen) for _ in range(12)]
+    panels = [ext.pack_panels(w) for w in ws]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
     xs = [torch.randn(m, 576, generator=gen) for m in (1, 9)]
     none = torch.empty(0)
 
     def tiled():
         for x in xs:
-            for w in ws:
-                ext.tiled_linear(x, w, none)
+            for p in panels:
+                ext.tiled_linear(x, p, none, 3072)
 
     def onednn():
         for x in xs:
@@ -179,7 +179,7 @@ def _linear(ext, mod: nn.Module):
     bias = getattr(mod, "bias", None)
     bias = none if bias is None else bias.detach().float().contiguous()
     if isinstance(mod, TiledLinear):
-        return ext.make_linear(TILED_FP32, mod.weight.detach(), none, none, none, bias, none, 1 << 30,
+        return ext.make_linear(TILED_FP32, mod.panels, none, none, none, bias, none, 1 << 30,
                                mod.out_features, mod.in_features)
     if isinstance(mod, PackedLinear):
         return ext.make_linear(PACKED_FP32, mod.packed, none, none, none, bias, none, 1 << 30,

@@ -389,89 +389,130 @@ void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* q
 }
 
 // ---- fp32 linears on the fused step's own tiled kernel -----------------------------------------------------
-// y[M, N] = x[M, K] @ W^T for a plain row-major fp32 W [N, K] (the checkpoint's own tensor, no copy), K % 8 == 0.
-// Every output is ONE chain of fmas over k in 8-float vectors, then hsum8: the same order whatever tile computes
-// it, so a row's result is bitwise the same for any number of rows in the call (batch invariance, any M).
-// Tiles of 12 accumulators (x rows x weight rows: 3x4, and 1x12 / 2x6 for a remainder; 12 independent chains
-// hide the fma latency). Measured on the 2-core AMD EPYC (AVX2, no AVX-512) against oneDNN's packed fp32 linear,
-// 2 threads, 30 distinct weights streamed: 1 row 0.59-0.81x its time (21-24 GB/s against oneDNN's 13-18), 9 rows
-// 0.69-0.93x, 72 rows 0.70-0.98x (bench/README.md, "Linears").
-// PF: prefetch the same rows `pfd` floats ahead (the next block of 12 weight rows) into L2, a cache line per row
-// per 16 floats of k, while this tile computes: with 3+ x rows the kernel is compute-bound and the next block's
-// misses would otherwise come after it (verify of 9 rows: 0.87-0.90x the time without; at 1 row, where the
-// hardware prefetcher keeps up, it costs 8-25 %, so one row does not prefetch). The `parts` x tiles of a block
-// share the work: tile `part` prefetches the lines with (k / 16) % parts == part, so the next block streams in
-// while every tile computes, not only the first (6-12 rows on the AMD EPYC: 5-10 % faster than the first tile
-// prefetching all, bench/README.md "Step costs per concurrency").
-template <int XR, int WR, bool PF = false>
-inline void tile_fp32(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t pfd = 0,
-                      int64_t parts = 1, int64_t part = 0) {
-  __m256 acc[XR][WR];
-  for (int i = 0; i < XR; i++)
-    for (int j = 0; j < WR; j++) acc[i][j] = _mm256_setzero_ps();
-  int64_t next_pf = part * 16;                          // the k of this tile's next prefetched line
-  for (int64_t k = 0; k < K; k += 8) {
-    if (PF && k == next_pf) {
-      for (int j = 0; j < WR; j++) _mm_prefetch(reinterpret_cast<const char*>(w + pfd + j * K + k), _MM_HINT_T1);
-      next_pf += parts * 16;
-    }
-    __m256 xv[XR];
-    for (int i = 0; i < XR; i++) xv[i] = _mm256_loadu_ps(x + i * K + k);
-    for (int j = 0; j < WR; j++) {
-      const __m256 wv = _mm256_loadu_ps(w + j * K + k);
-      for (int i = 0; i < XR; i++) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+// y[M, N] = x[M, K] @ W^T for an fp32 W [N, K] held in panels of 16 outputs: P [ceil(N / 16), K, 16] (W's rows
+// n0..n0+15 interleaved by k, zero rows past N; `pack_panels`), so one 64-byte load at k is 16 outputs' weights.
+// Outer-product tiles: for each k, a vector of weights times one broadcast x value per row, into one accumulator
+// per (row, output). So every output is ONE scalar chain, y = fma(x[K-1], w[K-1], ... fma(x[0], w[0], 0)), with k
+// in order, whatever the tile, the number of rows, the vector width or the thread that computes it: rows are
+// batch-invariant at any row count, and an AVX2 build gives bitwise the AVX-512 build's outputs (tested).
+// Tiles: MR rows x NV panels, MR = 1..6; AVX-512 (32 registers) MR x 4 panels (up to 24 accumulators), AVX2 (16
+// registers, a panel is 2 vectors) 1 x 4, 2-3 x 2, 4-6 x 1. Threads split the panels; each walks its share in
+// chunks of 4 panels (37-98 KB of weights at K 576-1536), every row tile of a chunk reading it from L1/L2 after the
+// first: a weight is read from memory once per call at any row count.
+// Against the dot-product kernel this replaced (4 x 12 weight rows, one 8-lane chain per output + a horizontal
+// sum) and oneDNN, AMD EPYC Zen 4 (AVX-512), 2 threads, 30 distinct weights streamed, µs per call, median of 7
+// interleaved: 0.77-0.93x the old kernel's time at 1 row, 0.58-0.85x at 2, 0.61-0.72x at 36 (the lm_head at 36
+// rows 174 GFLOPS; bench/README.md "Panels").
+constexpr int64_t PANEL = 16;            // outputs per panel
+constexpr int64_t PANEL_CHUNK = 4;       // panels a thread walks at once
+
+#if defined(__AVX512F__)
+typedef __m512 PV;                       // a panel's 16 weights at one k in one vector
+constexpr int PV_PER_PANEL = 1, PV_W = 16;
+inline PV pv_zero() { return _mm512_setzero_ps(); }
+inline PV pv_load(const float* p) { return _mm512_load_ps(p); }
+inline PV pv_bcast(const float* p) { return _mm512_set1_ps(*p); }
+inline PV pv_fma(PV a, PV b, PV c) { return _mm512_fmadd_ps(a, b, c); }
+inline void pv_store(float* p, PV v) { _mm512_storeu_ps(p, v); }
+template <int MR> constexpr int panels_per_tile() { return 4; }
+#else
+typedef __m256 PV;                       // ... in two
+constexpr int PV_PER_PANEL = 2, PV_W = 8;
+inline PV pv_zero() { return _mm256_setzero_ps(); }
+inline PV pv_load(const float* p) { return _mm256_load_ps(p); }
+inline PV pv_bcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline PV pv_fma(PV a, PV b, PV c) { return _mm256_fmadd_ps(a, b, c); }
+inline void pv_store(float* p, PV v) { _mm256_storeu_ps(p, v); }
+template <int MR> constexpr int panels_per_tile() { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
+#endif
+constexpr int TILE_ROWS = 6;
+
+// MR rows of x against NV panels (their first `ncols` outputs stored; a last panel past N is zero-padded)
+template <int MR, int NV>
+inline void panel_tile(const float* x, int64_t K, const float* P, int64_t pstride, float* y, int64_t ldy,
+                       int64_t ncols) {
+  constexpr int NA = NV * PV_PER_PANEL;
+  PV acc[MR][NA];
+  for (int r = 0; r < MR; r++)
+    for (int j = 0; j < NA; j++) acc[r][j] = pv_zero();
+  for (int64_t k = 0; k < K; k++) {
+    PV w[NA];
+    for (int j = 0; j < NV; j++)
+      for (int v = 0; v < PV_PER_PANEL; v++) w[j * PV_PER_PANEL + v] = pv_load(P + j * pstride + k * PANEL + v * PV_W);
+    for (int r = 0; r < MR; r++) {
+      const PV xb = pv_bcast(x + r * K + k);
+      for (int j = 0; j < NA; j++) acc[r][j] = pv_fma(xb, w[j], acc[r][j]);
     }
   }
-  for (int i = 0; i < XR; i++)
-    for (int j = 0; j < WR; j++) y[i * ldy + j] = hsum8(acc[i][j]);
-}
-
-template <int XR, int WT, bool PF = false>
-void tiles_fp32(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1,
-                int64_t pfd = 0, int64_t parts = 1, int64_t part = 0) {
-  int64_t n = n0;
-  for (; n + WT <= n1; n += WT) tile_fp32<XR, WT, PF>(x, K, w + n * K, y + n, N, pfd, parts, part);
-  for (; n < n1; n++) tile_fp32<XR, 1>(x, K, w + n * K, y + n, N);
-}
-
-// Weight rows in blocks of 12, each read from memory once and then from L1 by every x tile: x rows 3 at a time
-// on 3x4 tiles (12 accumulators + 3 x + 1 w vectors: the 16 registers of AVX2), a remainder of 1 or 2 rows on 1x12
-// or 2x6 tiles, so every tile keeps 12 independent chains in flight.
-void gemm_fp32(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t nb = n0; nb < n1; nb += 12) {
-    const int64_t ne = std::min(n1, nb + 12);
-    int64_t r = 0;
-    if (M >= 3 && nb + 24 <= n1) {                     // the 3-row tiles prefetch the next block (if it is ours)
-      const int64_t parts = M / 3;
-      for (int64_t p = 0; p < parts; p++, r += 3)
-        tiles_fp32<3, 4, true>(x + r * K, K, w, y + r * N, N, nb, ne, 12 * K, parts, p);
+  for (int r = 0; r < MR; r++) {
+    if (ncols == NV * PANEL) {
+      for (int j = 0; j < NA; j++) pv_store(y + r * ldy + j * PV_W, acc[r][j]);
+    } else {
+      alignas(64) float tmp[NV * PANEL];
+      for (int j = 0; j < NA; j++) pv_store(tmp + j * PV_W, acc[r][j]);
+      for (int64_t c = 0; c < ncols; c++) y[r * ldy + c] = tmp[c];
     }
-    for (; r + 3 <= M; r += 3) tiles_fp32<3, 4>(x + r * K, K, w, y + r * N, N, nb, ne);
-    if (M - r == 1) tiles_fp32<1, 12>(x + r * K, K, w, y + r * N, N, nb, ne);
-    else if (M - r == 2) tiles_fp32<2, 6>(x + r * K, K, w, y + r * N, N, nb, ne);
   }
 }
 
-// More rows than this (a prompt's prefill chunk) go to ATen's linear (MKL packs W per call: cheap against 128+
-// rows of compute); decode and verify steps (max_batch_size x (K + 1) rows) stay on the tiled kernel.
-constexpr int64_t TILED_MAX_ROWS = 128;
+// MR rows against panels p0..p1
+template <int MR>
+inline void panel_rows(const float* x, int64_t K, const float* P, int64_t p0, int64_t p1, float* y, int64_t N) {
+  constexpr int NV = panels_per_tile<MR>();
+  const int64_t pstride = K * PANEL;
+  int64_t p = p0;
+  for (; p + NV <= p1; p += NV)
+    panel_tile<MR, NV>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(NV * PANEL, N - p * PANEL));
+  for (; p < p1; p++)
+    panel_tile<MR, 1>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
+}
 
-void tiled_gemm(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N) {
-  at::parallel_for(0, (N + 11) / 12, 4, [&](int64_t b0, int64_t b1) {      // threads split whole 12-row blocks
-    const int64_t n0 = b0 * 12, n1 = std::min(N, b1 * 12);
-    gemm_fp32(x, M, K, w, y, N, n0, n1);
-    if (bias)
-      for (int64_t r = 0; r < M; r++)
-        for (int64_t n = n0; n < n1; n++) y[r * N + n] += bias[n];
+void tiled_gemm(const float* x, int64_t M, int64_t K, const float* P, const float* bias, float* y, int64_t N) {
+  const int64_t npan = (N + PANEL - 1) / PANEL;
+  at::parallel_for(0, npan, PANEL_CHUNK, [&](int64_t a, int64_t b) {
+    for (int64_t c0 = a; c0 < b; c0 += PANEL_CHUNK) {
+      const int64_t c1 = std::min(b, c0 + PANEL_CHUNK);
+      int64_t r = 0;
+      for (; r + TILE_ROWS <= M; r += TILE_ROWS) panel_rows<TILE_ROWS>(x + r * K, K, P, c0, c1, y + r * N, N);
+      const float* xr = x + r * K;
+      float* yr = y + r * N;
+      switch (M - r) {
+        case 1: panel_rows<1>(xr, K, P, c0, c1, yr, N); break;
+        case 2: panel_rows<2>(xr, K, P, c0, c1, yr, N); break;
+        case 3: panel_rows<3>(xr, K, P, c0, c1, yr, N); break;
+        case 4: panel_rows<4>(xr, K, P, c0, c1, yr, N); break;
+        case 5: panel_rows<5>(xr, K, P, c0, c1, yr, N); break;
+        default: break;
+      }
+      if (bias) {
+        const int64_t n0 = c0 * PANEL, n1 = std::min(N, c1 * PANEL);
+        for (int64_t rr = 0; rr < M; rr++)
+          for (int64_t n = n0; n < n1; n++) y[rr * N + n] += bias[n];
+      }
+    }
   });
 }
 
-torch::Tensor tiled_linear_t(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (M > TILED_MAX_ROWS)
-    return at::linear(x, w, bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
+// W [N, K] -> P [ceil(N / 16), K, 16] (zero rows past N): the layout tiled_gemm reads
+torch::Tensor pack_panels(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "pack_panels: W must be [N, K] float32");
+  const int64_t N = w.size(0), K = w.size(1), npan = (N + PANEL - 1) / PANEL;
+  auto padded = torch::zeros({npan * PANEL, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({npan, PANEL, K}).transpose(1, 2).contiguous();
+}
+
+inline void check_panels(const torch::Tensor& P, int64_t N, int64_t K) {
+  TORCH_CHECK(P.defined() && P.dim() == 3 && P.size(0) == (N + PANEL - 1) / PANEL && P.size(1) == K &&
+              P.size(2) == PANEL && P.is_contiguous() && P.scalar_type() == torch::kFloat32 &&
+              reinterpret_cast<uintptr_t>(P.data_ptr()) % 64 == 0,
+              "tiled fp32 linear needs its weight as pack_panels(W): [ceil(N / 16), K, 16] fp32, 64-byte aligned");
+}
+
+torch::Tensor tiled_linear_t(const torch::Tensor& x, const torch::Tensor& P, const torch::Tensor& bias, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
-  tiled_gemm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+  tiled_gemm(x.data_ptr<float>(), M, K, P.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
              y.data_ptr<float>(), N);
   return y;
 }
@@ -536,7 +577,7 @@ struct Linear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {   // x [M, K] float32 contiguous -> [M, N]
     const int64_t M = x.size(0);
-    if (kind == TILED_FP32) return tiled_linear_t(x, w, bias);
+    if (kind == TILED_FP32) return tiled_linear_t(x, w, bias, N);
     if (kind == PACKED_FP32 || (prefill.defined() && M >= prefill_min_rows))
       return onednn_linear(x, kind == PACKED_FP32 ? w : prefill, bias);
     if (is_block(kind)) {
@@ -561,9 +602,7 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
   l.kind = kind; l.w = opt(w); l.qs = opt(qs); l.d = opt(d); l.m = opt(m); l.bias = opt(bias); l.prefill = opt(prefill);
   l.prefill_min_rows = prefill_min_rows; l.N = N; l.K = K;
   TORCH_CHECK(!is_block(kind) || K % QK == 0, "block-quantized linear needs in_features % 32 == 0");
-  TORCH_CHECK(kind != TILED_FP32 || (K % 8 == 0 && l.w.defined() && l.w.is_contiguous() &&
-                                     l.w.scalar_type() == torch::kFloat32),
-              "tiled fp32 linear needs a contiguous fp32 weight with in_features % 8 == 0");
+  if (kind == TILED_FP32) check_panels(l.w, N, K);
   return l;
 }
 
@@ -744,14 +783,13 @@ torch::Tensor block_linear(int64_t kind, torch::Tensor x, torch::Tensor qs, torc
   return y;
 }
 
-torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 &&
-              w.dim() == 2 && x.size(1) == w.size(1) && w.size(1) % 8 == 0 && w.is_contiguous(),
-              "tiled_linear: x [M, K] and a contiguous W [N, K], fp32, K % 8 == 0");
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor P, torch::Tensor bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "tiled_linear: x must be [M, K] float32");
+  check_panels(P, N, x.size(1));
   x = x.contiguous();
   const torch::Tensor b = bias.defined() && bias.numel() ? bias.contiguous() : torch::Tensor();
   py::gil_scoped_release nogil;
-  return tiled_linear_t(x, w, b);
+  return tiled_linear_t(x, P, b, N);
 }
 
 }  // namespace
@@ -762,8 +800,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("make_linear", &make_linear);
   mod.def("block_linear", &block_linear, "y = x @ W^T (+ bias) for a Q4_1 (kind 1) / Q8_0 (kind 2) W; "
           "kinds 6 / 7: the same on int8 activations");
-  mod.def("tiled_linear", &tiled_linear, "y = x @ W^T (+ bias) for a plain fp32 W on the tiled kernel");
-  mod.attr("TILED_MAX_ROWS") = TILED_MAX_ROWS;
+  mod.def("tiled_linear", &tiled_linear, "y = x @ W^T (+ bias) on the tiled kernel, W as pack_panels(W), N outputs");
+  mod.def("pack_panels", &pack_panels, "W [N, K] fp32 -> the tiled kernel's panels [ceil(N / 16), K, 16]");
   py::class_<Runner>(mod, "Runner")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
