@@ -70,3 +70,24 @@ def quantize_blocks(weight: torch.Tensor, scheme: str):
     else:
         qs = q.to(torch.int8).contiguous()                            # [out, blocks, 32]
     return qs, d.contiguous(), None if m is None else m.contiguous(), fraction
+
+
+GROUP = 16                               # output rows the int8-activation kernels interleave
+
+
+def interleave_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
+    """Blocks [out, nb, 16|32] -> the layout of the fused extension's int8-activation kernels (csrc/fused.cpp
+    `block_gemm_q8`): rows in groups of 16 (zero rows past `out`), and per group and block 4 (Q4_1) or 8 (Q8_0)
+    vectors of 64 bytes, vector s holding each row's bytes 4s..4s+3 of the block; d (and m) as [groups, nb, 16].
+    -> (qs [groups, nb, 4|8, 16, 4], d [groups, nb, 16], m or None), contiguous."""
+    n, nb, width = qs.shape
+    groups = -(-n // GROUP)
+    pad = groups * GROUP - n
+
+    def rows(t):
+        return torch.cat((t, t.new_zeros((pad, *t.shape[1:])))) if pad else t
+
+    q = rows(qs).reshape(groups, GROUP, nb, width // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    side = [None if t is None else rows(t.float()).reshape(groups, GROUP, nb).transpose(1, 2).contiguous()
+            for t in (d, m)]
+    return q, side[0], side[1]

@@ -168,7 +168,7 @@ def build(progress=print) -> bool:
     if ext is None:
         progress(f"fused decode step: not built ({_WHY}); the embedded engine runs eager PyTorch")
         return False
-    from specbuild.engines.embedded.blocks import dequantize_blocks, quantize_blocks
+    from specbuild.engines.embedded.blocks import dequantize_blocks, interleave_blocks, quantize_blocks
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(40, 64, generator=gen)
@@ -181,7 +181,9 @@ def build(progress=print) -> bool:
             progress(f"fused decode step: the {scheme} kernel disagrees with PyTorch here; not used")
             _EXT, _WHY = None, f"the {scheme} kernel disagreed with PyTorch when probed"
             return False
-        q8 = ext.block_linear(INT8_ACTIVATIONS[kind], x, qs, d, m if m is not None else torch.empty(0), torch.empty(0), 40)
+        qi, di, mi = interleave_blocks(qs, d, m)
+        q8 = ext.block_linear(INT8_ACTIVATIONS[kind], x, qi, di, mi if mi is not None else torch.empty(0),
+                              torch.empty(0), 40)
         if not (q8 - ref).norm() <= 0.05 * ref.norm():           # int8 activations: an approximation (~1 %)
             progress(f"fused decode step: the {scheme} int8-activation kernel disagrees with PyTorch here; not used")
             _EXT, _WHY = None, f"the {scheme} int8-activation kernel disagreed with PyTorch when probed"

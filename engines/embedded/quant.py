@@ -37,7 +37,8 @@ from specbuild.core.errors import UsageError
 
 from specbuild.core.constants import DRAFT_ACTIVATIONS, DRAFT_QUANTIZATIONS as SCHEMES
 
-from specbuild.engines.embedded.blocks import BLOCK, dequantize_blocks, quantize_blocks  # noqa: F401
+from specbuild.engines.embedded.blocks import (BLOCK, dequantize_blocks, interleave_blocks,  # noqa: F401
+                                               quantize_blocks)
 
 
 def _has_pack_kernel() -> bool:
@@ -145,6 +146,7 @@ class BlockLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._dense = None          # dequantized fp32 copy (eager fallback), made on first need
         self._packed = None         # its oneDNN-reordered form (prompt-sized inputs)
+        self._interleaved = None    # the int8-activation kernels' layout (blocks.interleave_blocks), on first need
 
     @classmethod
     def from_linear(cls, linear: nn.Module, scheme: str) -> tuple["BlockLinear", float]:
@@ -157,6 +159,15 @@ class BlockLinear(nn.Module):
         from specbuild.engines.embedded.fused import INT8_ACTIVATIONS
 
         return INT8_ACTIVATIONS[self.kind] if self.activations == "int8" else self.kind
+
+    def kernel_blocks(self) -> tuple:
+        """(qs, d, m) as the kernel of `kernel_kind` reads them: as stored for fp32 activations; for int8 ones
+        interleaved by 16 output rows (made once, ~the size of qs)."""
+        if self.activations != "int8":
+            return self.qs, self.d, self.m
+        if self._interleaved is None:
+            self._interleaved = interleave_blocks(self.qs, self.d, self.m)
+        return self._interleaved
 
     def dense_weight(self) -> torch.Tensor:
         if self._dense is None:
@@ -178,7 +189,7 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = None
         if (x2.shape[0] < self.prefill_min_rows or not self.prefill_copy) and x2.device.type == "cpu":
-            y = block_linear(self.kernel_kind, x2, self.qs, self.d, self.m, self.bias, self.out_features)
+            y = block_linear(self.kernel_kind, x2, *self.kernel_blocks(), self.bias, self.out_features)
         if y is None:
             packed = self.prefill_weight() if x2.device.type == "cpu" and self.prefill_copy else None
             if packed is not None:

@@ -186,7 +186,8 @@ def _linear(ext, mod: nn.Module):
                                mod.out_features, mod.in_features)
     if isinstance(mod, BlockLinear):
         prefill = mod.prefill_weight() if mod.prefill_copy else None
-        return ext.make_linear(mod.kernel_kind, none, mod.qs, mod.d, mod.m if mod.m is not None else none, bias,
+        qs, d, m = mod.kernel_blocks()
+        return ext.make_linear(mod.kernel_kind, none, qs, d, m if m is not None else none, bias,
                                prefill if prefill is not None else none, mod.prefill_min_rows, mod.out_features,
                                mod.in_features)
     if isinstance(mod, Int8Linear):
