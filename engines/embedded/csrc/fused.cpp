@@ -567,6 +567,18 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
   return l;
 }
 
+// o[0 .. 8 NV) = inv * sum_p sc[p] * v[p * ld + ..]: each element summed over p in order, NV independent chains
+template <int NV>
+inline void weigh_values(const float* sc, int64_t n, const float* v, int64_t ld, __m256 inv, float* o) {
+  __m256 acc[NV];
+  for (int j = 0; j < NV; j++) acc[j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < n; p++) {
+    const __m256 sp = _mm256_set1_ps(sc[p]);
+    for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(sp, _mm256_loadu_ps(v + p * ld + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NV; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv));
+}
+
 inline void rms_norm_rows(const float* x, const float* w, float* out, int64_t N, int64_t H, double eps) {
   for (int64_t r = 0; r < N; r++) {
     const float* xr = x + r * H;
@@ -694,7 +706,7 @@ class Runner {
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     int64_t work = 0;
     for (int64_t r = 0; r < N; r++) work += (ps[r] + 1) * nh;
-    const int64_t grain = work > 32768 ? 1 : N * nh;    // small steps: no thread fork/join
+    const int64_t grain = work > 2048 ? 1 : N * nh;     // small steps: no thread fork/join
     at::parallel_for(0, N * nh, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sc(S + 8);
       for (int64_t t = t0; t < t1; t++) {
@@ -718,11 +730,15 @@ class Runner {
         }
         const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sumv));
         float* o = out + r * nh * hd + h * hd;
-        for (int64_t i = 0; i < hd; i += 8) {
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t p = 0; p < n; p++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[p]), _mm256_loadu_ps(vr + p * hd + i), acc);
-          _mm256_storeu_ps(o + i, _mm256_mul_ps(acc, inv));
+        // each output element sums over p in order; the hd / 8 vectors of a V row are independent chains, run
+        // together (one chain at a time waited on the fma latency at every position)
+        for (int64_t i0 = 0; i0 < hd; i0 += 64) {
+          switch (std::min<int64_t>(8, (hd - i0) / 8)) {      // hd % 16 == 0: 2, 4, 6 or 8 vectors
+            case 2: weigh_values<2>(sc.data(), n, vr + i0, hd, inv, o + i0); break;
+            case 4: weigh_values<4>(sc.data(), n, vr + i0, hd, inv, o + i0); break;
+            case 6: weigh_values<6>(sc.data(), n, vr + i0, hd, inv, o + i0); break;
+            default: weigh_values<8>(sc.data(), n, vr + i0, hd, inv, o + i0); break;
+          }
         }
       }
     });
