@@ -104,10 +104,9 @@ def test_int8_activations_approximate_the_linear_and_keep_rows_independent(schem
 def test_block_int8_kernels_are_the_q8_scheme_exactly(scheme, k):
     """The Q4_1 / Q8_0 x int8 kernels against the scheme written out in numpy: x rounded per block of 32 (xd =
     max|x| / 127, xq = rint(x / xd) in fp32), the integer dots <q_b, xq_b>, then sum_b d_b xd_b <q_b, xq_b> (+ m_b
-    sum(x_b) for Q4_1). Whatever vector path the machine's build takes (AVX2: pairs of blocks; AVX-512, with or
-    without VNNI: quads of Q4_1 blocks, pairs of Q8_0 ones; K = 96 is a pair and a block, 128 one quad, 576 four
-    quads and a pair), each output is that sum to within fp32 rounding; a block or a lane in the wrong place is off
-    by far more."""
+    sum(x_b) for Q4_1). Whatever vector path the machine's build takes (weights interleaved by 16 rows: AVX-512 with
+    or without VNNI one vector per group, AVX2 two halves; 24 rows are a whole group and a zero-padded one), each
+    output is that sum to within fp32 rounding; a block, a row or a lane in the wrong place is off by far more."""
     gen = torch.Generator().manual_seed(k)
     lin = torch.nn.Linear(k, 24, bias=False)
     with torch.no_grad():
