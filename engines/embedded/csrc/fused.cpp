@@ -91,12 +91,19 @@ inline void dequant_q8_0(const int8_t* qs, float d, __m256 w[4]) {
 // chain would wait on every fma's latency), summed in one fixed order at the end: the same for any number of rows.
 // The AVX-512 form holds a block in two 16-float vectors (chains: vector j of even / odd blocks), the AVX2 form in
 // four 8-float ones (chain = vector j), so a machine's results depend on its build only.
-#if defined(__AVX512F__)
+// Vec: the float vector every kernel below computes with (16 floats with AVX-512 F + BW, else 8).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define SPECBUILD_AVX512 1
+#endif
+#ifdef SPECBUILD_AVX512
 typedef __m512 Vec;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline float vsum(Vec a) {
   alignas(64) float v[16];
   _mm512_store_ps(v, a);
@@ -124,8 +131,11 @@ inline int chain(int64_t b, int j) { return static_cast<int>((b & 1) * 2 + j); }
 typedef __m256 Vec;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline float vsum(Vec a) { return hsum8(a); }
 constexpr int VW = 8, VPB = 4;
 inline void block_q4_1(const uint8_t* qs, float d, float m, Vec* w) { dequant_q4_1(qs, d, m, w); }
@@ -207,9 +217,8 @@ inline void quantize_row_q8(const float* x, int64_t K, QRow& out) {
 
 constexpr int64_t IGROUP = 16;              // output rows interleaved together
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef SPECBUILD_AVX512
 typedef __m512i IV;                          // int32 lanes: one per output row of the group
-typedef __m512 FV;
 constexpr int IV_ROWS = 16, IQ_ROWS = 4;     // rows a vector holds; x rows a tile takes
 inline IV iv_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline IV iv_zero() { return _mm512_setzero_si512(); }
@@ -230,17 +239,9 @@ inline SignedW iv_signed(IV w) { return {_mm512_abs_epi8(w), _mm512_movepi8_mask
 inline IV iv_dot_signed(IV acc, const SignedW& w, IV x) {     // |w| x (x with w's sign): the same products
   return iv_dot(acc, w.abs, _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x));
 }
-inline FV fv_load(const float* p) { return _mm512_loadu_ps(p); }
-inline FV fv_zero() { return _mm512_setzero_ps(); }
-inline FV fv_set1(float v) { return _mm512_set1_ps(v); }
-inline FV fv_cvt(IV v) { return _mm512_cvtepi32_ps(v); }
-inline FV fv_mul(FV a, FV b) { return _mm512_mul_ps(a, b); }
-inline FV fv_fma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
-inline FV fv_add(FV a, FV b) { return _mm512_add_ps(a, b); }
-inline void fv_store(float* p, FV v) { _mm512_storeu_ps(p, v); }
+inline Vec vcvt(IV v) { return _mm512_cvtepi32_ps(v); }
 #else
 typedef __m256i IV;
-typedef __m256 FV;
 constexpr int IV_ROWS = 8, IQ_ROWS = 2;
 inline IV iv_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline IV iv_zero() { return _mm256_setzero_si256(); }
@@ -254,14 +255,7 @@ inline IV iv_dot(IV acc, IV w_u8, IV x_s8) {
 struct SignedW { IV w, abs; };
 inline SignedW iv_signed(IV w) { return {w, _mm256_sign_epi8(w, w)}; }
 inline IV iv_dot_signed(IV acc, const SignedW& w, IV x) { return iv_dot(acc, w.abs, _mm256_sign_epi8(x, w.w)); }
-inline FV fv_load(const float* p) { return _mm256_loadu_ps(p); }
-inline FV fv_zero() { return _mm256_setzero_ps(); }
-inline FV fv_set1(float v) { return _mm256_set1_ps(v); }
-inline FV fv_cvt(IV v) { return _mm256_cvtepi32_ps(v); }
-inline FV fv_mul(FV a, FV b) { return _mm256_mul_ps(a, b); }
-inline FV fv_fma(FV a, FV b, FV c) { return _mm256_fmadd_ps(a, b, c); }
-inline FV fv_add(FV a, FV b) { return _mm256_add_ps(a, b); }
-inline void fv_store(float* p, FV v) { _mm256_storeu_ps(p, v); }
+inline Vec vcvt(IV v) { return _mm256_cvtepi32_ps(v); }
 #endif
 
 // MR x rows against IV_ROWS output rows starting at row `half * IV_ROWS` of an interleaved group: q, d, m point at
@@ -271,8 +265,8 @@ inline void q8_group_tile(const uint8_t* q, const float* d, const float* m, cons
                           int half, float* out, int64_t ldo) {
   constexpr int STEPS = KIND == 1 ? 4 : 8;                      // 64-byte vectors per block of the group
   const int64_t off = half * IV_ROWS;                           // rows: bytes 4 * off.. of a vector, floats off..
-  FV acc[MR], macc[MR];
-  for (int r = 0; r < MR; r++) acc[r] = macc[r] = fv_zero();
+  Vec acc[MR], macc[MR];
+  for (int r = 0; r < MR; r++) acc[r] = macc[r] = vzero();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* qb = q + b * STEPS * 64 + 4 * off;
     IV lo[MR], hi[MR];
@@ -294,15 +288,15 @@ inline void q8_group_tile(const uint8_t* q, const float* d, const float* m, cons
         }
       }
     }
-    const FV dv = fv_load(d + b * IGROUP + off);
+    const Vec dv = vload(d + b * IGROUP + off);
     for (int r = 0; r < MR; r++)
-      acc[r] = fv_fma(fv_cvt(iv_add(lo[r], hi[r])), fv_mul(dv, fv_set1(xr[r]->d[b])), acc[r]);
+      acc[r] = vfma(vcvt(iv_add(lo[r], hi[r])), vmul(dv, vset1(xr[r]->d[b])), acc[r]);
     if (KIND == 1) {
-      const FV mv = fv_load(m + b * IGROUP + off);
-      for (int r = 0; r < MR; r++) macc[r] = fv_fma(mv, fv_set1(xr[r]->s[b]), macc[r]);
+      const Vec mv = vload(m + b * IGROUP + off);
+      for (int r = 0; r < MR; r++) macc[r] = vfma(mv, vset1(xr[r]->s[b]), macc[r]);
     }
   }
-  for (int r = 0; r < MR; r++) fv_store(out + r * ldo, KIND == 1 ? fv_add(acc[r], macc[r]) : acc[r]);
+  for (int r = 0; r < MR; r++) vstore(out + r * ldo, KIND == 1 ? vadd(acc[r], macc[r]) : acc[r]);
 }
 
 template <int KIND>
@@ -328,7 +322,7 @@ void block_gemm_q8_t(const float* x, int64_t M, int64_t K, const void* qs, const
           switch (rows_here) {
             case 1: q8_group_tile<KIND, 1>(q, dg, mg, xr, nb, half, o, IGROUP); break;
             case 2: q8_group_tile<KIND, 2>(q, dg, mg, xr, nb, half, o, IGROUP); break;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef SPECBUILD_AVX512
             case 3: q8_group_tile<KIND, 3>(q, dg, mg, xr, nb, half, o, IGROUP); break;
             case 4: q8_group_tile<KIND, 4>(q, dg, mg, xr, nb, half, o, IGROUP); break;
 #endif
@@ -367,23 +361,10 @@ void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* q
 constexpr int64_t PANEL = 16;            // outputs per panel
 constexpr int64_t PANEL_CHUNK = 4;       // panels a thread walks at once
 
-#if defined(__AVX512F__)
-typedef __m512 PV;                       // a panel's 16 weights at one k in one vector
-constexpr int PV_PER_PANEL = 1, PV_W = 16;
-inline PV pv_zero() { return _mm512_setzero_ps(); }
-inline PV pv_load(const float* p) { return _mm512_load_ps(p); }
-inline PV pv_bcast(const float* p) { return _mm512_set1_ps(*p); }
-inline PV pv_fma(PV a, PV b, PV c) { return _mm512_fmadd_ps(a, b, c); }
-inline void pv_store(float* p, PV v) { _mm512_storeu_ps(p, v); }
+constexpr int PV_PER_PANEL = PANEL / VW;  // vectors a panel's 16 weights at one k take (AVX-512: 1, AVX2: 2)
+#ifdef SPECBUILD_AVX512
 template <int MR> constexpr int panels_per_tile() { return 4; }
 #else
-typedef __m256 PV;                       // ... in two
-constexpr int PV_PER_PANEL = 2, PV_W = 8;
-inline PV pv_zero() { return _mm256_setzero_ps(); }
-inline PV pv_load(const float* p) { return _mm256_load_ps(p); }
-inline PV pv_bcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline PV pv_fma(PV a, PV b, PV c) { return _mm256_fmadd_ps(a, b, c); }
-inline void pv_store(float* p, PV v) { _mm256_storeu_ps(p, v); }
 template <int MR> constexpr int panels_per_tile() { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
 #endif
 constexpr int TILE_ROWS = 6;
@@ -393,24 +374,24 @@ template <int MR, int NV>
 inline void panel_tile(const float* x, int64_t K, const float* P, int64_t pstride, float* y, int64_t ldy,
                        int64_t ncols) {
   constexpr int NA = NV * PV_PER_PANEL;
-  PV acc[MR][NA];
+  Vec acc[MR][NA];
   for (int r = 0; r < MR; r++)
-    for (int j = 0; j < NA; j++) acc[r][j] = pv_zero();
+    for (int j = 0; j < NA; j++) acc[r][j] = vzero();
   for (int64_t k = 0; k < K; k++) {
-    PV w[NA];
+    Vec w[NA];
     for (int j = 0; j < NV; j++)
-      for (int v = 0; v < PV_PER_PANEL; v++) w[j * PV_PER_PANEL + v] = pv_load(P + j * pstride + k * PANEL + v * PV_W);
+      for (int v = 0; v < PV_PER_PANEL; v++) w[j * PV_PER_PANEL + v] = vload(P + j * pstride + k * PANEL + v * VW);
     for (int r = 0; r < MR; r++) {
-      const PV xb = pv_bcast(x + r * K + k);
-      for (int j = 0; j < NA; j++) acc[r][j] = pv_fma(xb, w[j], acc[r][j]);
+      const Vec xb = vset1(x[r * K + k]);
+      for (int j = 0; j < NA; j++) acc[r][j] = vfma(xb, w[j], acc[r][j]);
     }
   }
   for (int r = 0; r < MR; r++) {
     if (ncols == NV * PANEL) {
-      for (int j = 0; j < NA; j++) pv_store(y + r * ldy + j * PV_W, acc[r][j]);
+      for (int j = 0; j < NA; j++) vstore(y + r * ldy + j * VW, acc[r][j]);
     } else {
       alignas(64) float tmp[NV * PANEL];
-      for (int j = 0; j < NA; j++) pv_store(tmp + j * PV_W, acc[r][j]);
+      for (int j = 0; j < NA; j++) vstore(tmp + j * VW, acc[r][j]);
       for (int64_t c = 0; c < ncols; c++) y[r * ldy + c] = tmp[c];
     }
   }
