@@ -6,7 +6,7 @@ Tiled: the weight in panels of 16 outputs interleaved by input, outer-product ti
 (`TiledLinear`). The first tiled kernel (one dot product per output, on the checkpoint's own weight) measured, on
 the 2-core AMD EPYC (AVX2, no AVX-512; torch 2.13.0+cpu, oneDNN 3.12, 2 threads), 30 distinct weights streamed,
 time ÷ oneDNN's: 1 row 0.59-0.81×, 2-4 rows 0.50-0.87×, 9 rows 0.69-0.93×, 72 rows 0.70-0.98×; the panels replaced
-it at 0.58-0.93× its time (AMD EPYC Zen 4, AVX-512; bench/README.md "Panels").
+it at 0.58-0.93× its time (AMD EPYC Zen 4, AVX-512; bench/README.md, "2026-12-04 afternoon").
 
 Why: PyTorch's default fp32 linear on CPU (MKL sgemm) is fast for one row (it becomes a GEMV) but packs the
 whole weight on every call with 2+ rows, so a verify of K+1 positions, a batch of 8 decode rows or the lm_head
@@ -99,8 +99,9 @@ class TiledLinear(nn.Module):
     Why: a weight is read from memory once per call at any row count, and a verify of K + 1 positions (or several
     sequences' rows) reuses it from cache in outer-product tiles of up to 6 rows x 64 outputs. On a 2-core AMD EPYC
     Zen 4 (AVX-512) the panels took 0.77-0.93x the time of the dot-product kernel they replaced at 1 row and
-    0.58-0.72x at 2-36 rows (bench/README.md, "Panels"); `step.auto_linear_kernel` still measures this kernel
-    against oneDNN on the machine it runs on. `ext` is the loaded extension (step.pack_linears_ passes it)."""
+    0.58-0.72x at 2-36 rows (bench/README.md, "2026-12-04 afternoon"); `step.auto_linear_kernel` still measures
+    this kernel against oneDNN on the machine it runs on. `ext` is the loaded extension (step.pack_linears_ passes
+    it)."""
 
     def __init__(self, linear: nn.Linear, ext):
         super().__init__()

@@ -357,7 +357,7 @@ void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* q
 // Against the dot-product kernel this replaced (4 x 12 weight rows, one 8-lane chain per output + a horizontal
 // sum) and oneDNN, AMD EPYC Zen 4 (AVX-512), 2 threads, 30 distinct weights streamed, µs per call, median of 7
 // interleaved: 0.77-0.93x the old kernel's time at 1 row, 0.58-0.85x at 2, 0.61-0.72x at 36 (the lm_head at 36
-// rows 174 GFLOPS; bench/README.md "Panels").
+// rows 174 GFLOPS; bench/README.md, "2026-12-04 afternoon").
 constexpr int64_t PANEL = 16;            // outputs per panel
 constexpr int64_t PANEL_CHUNK = 4;       // panels a thread walks at once
 
@@ -404,7 +404,8 @@ inline void panel_rows(const float* x, int64_t K, const float* P, int64_t p0, in
   const int64_t pstride = K * PANEL;
   int64_t p = p0;
   for (; p + NV <= p1; p += NV)
-    panel_tile<MR, NV>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(NV * PANEL, N - p * PANEL));
+    panel_tile<MR, NV>(x, K, P + p * pstride, pstride, y + p * PANEL, N,
+                       std::min<int64_t>(NV * PANEL, N - p * PANEL));
   for (; p < p1; p++)
     panel_tile<MR, 1>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
 }
