@@ -100,6 +100,26 @@ def test_int8_activations_approximate_the_linear_and_keep_rows_independent(schem
 
 @needs_ext
 @pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
+def test_block_kernels_refuse_blocks_in_the_other_layout(scheme):
+    """The int8-activation kinds read blocks interleaved by 16 rows, the fp32 ones as stored: handed the other
+    layout (40 rows: not a multiple of 16, so the byte counts differ), a kernel refuses instead of reading past
+    the tensor's end."""
+    from specbuild.engines.embedded.blocks import interleave_blocks
+
+    lin = torch.nn.Linear(96, 40, bias=False)
+    q, _ = BlockLinear.from_linear(lin, scheme)
+    x = torch.randn(2, 96)
+    stored = (q.qs, q.d, q.m)
+    inter = interleave_blocks(*stored)
+    for kind, blocks in ((fused.INT8_ACTIVATIONS[q.kind], stored), (q.kind, inter)):
+        with pytest.raises(RuntimeError, match="not in its layout"):
+            fused.block_linear(kind, x, *blocks, None, 40)
+    assert fused.block_linear(fused.INT8_ACTIVATIONS[q.kind], x, *inter, None, 40).shape == (2, 40)
+    assert fused.block_linear(q.kind, x, *stored, None, 40).shape == (2, 40)
+
+
+@needs_ext
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [96, 128, 576, 1536])
 def test_block_int8_kernels_are_the_q8_scheme_exactly(scheme, k):
     """The Q4_1 / Q8_0 x int8 kernels against the scheme written out in numpy: x rounded per block of 32 (xd =

@@ -538,6 +538,25 @@ struct Linear {
   }
 };
 
+// The blocks a block kind reads, in its layout: Q4_1 / Q8_0 as stored (qs [N, nb, 16 | 32], d and m [N, nb]);
+// Q4_1_Q8 / Q8_0_Q8 interleaved by 16 rows (qs [G, nb, 4 | 8, 16, 4], d and m [G, nb, 16]). A tensor of the other
+// layout holds other byte counts when N % 16 != 0: read as this one, the kernel would run past its end.
+inline void check_blocks(int64_t kind, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
+                         int64_t N, int64_t K) {
+  const bool q41 = kind == Q4_1 || kind == Q4_1_Q8, inter = kind == Q4_1_Q8 || kind == Q8_0_Q8;
+  const int64_t nb = K / QK, G = (N + IGROUP - 1) / IGROUP;
+  const std::vector<int64_t> qshape = inter ? std::vector<int64_t>{G, nb, q41 ? 4 : 8, IGROUP, 4}
+                                            : std::vector<int64_t>{N, nb, q41 ? 16 : 32};
+  const std::vector<int64_t> dshape = inter ? std::vector<int64_t>{G, nb, IGROUP} : std::vector<int64_t>{N, nb};
+  auto is = [](const torch::Tensor& t, const std::vector<int64_t>& shape, c10::ScalarType type) {
+    return t.defined() && t.sizes().vec() == shape && t.is_contiguous() && t.scalar_type() == type;
+  };
+  TORCH_CHECK(is(qs, qshape, q41 ? torch::kUInt8 : torch::kInt8) && is(d, dshape, torch::kFloat32) &&
+              (q41 ? is(m, dshape, torch::kFloat32) : !(m.defined() && m.numel())),
+              "block linear of kind ", kind, ": qs / d / m are not in its layout for ", N, " x ", K, " (",
+              inter ? "interleaved by 16 rows: blocks.interleave_blocks" : "as stored", ")");
+}
+
 Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                    torch::Tensor bias, torch::Tensor prefill, int64_t prefill_min_rows, int64_t N, int64_t K) {
   auto opt = [](torch::Tensor t) { return t.defined() && t.numel() > 0 ? t : torch::Tensor(); };  // empty = none
@@ -545,6 +564,7 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
   l.kind = kind; l.w = opt(w); l.qs = opt(qs); l.d = opt(d); l.m = opt(m); l.bias = opt(bias); l.prefill = opt(prefill);
   l.prefill_min_rows = prefill_min_rows; l.N = N; l.K = K;
   TORCH_CHECK(!is_block(kind) || K % QK == 0, "block-quantized linear needs in_features % 32 == 0");
+  if (is_block(kind)) check_blocks(kind, l.qs, l.d, l.m, N, K);
   if (kind == TILED_FP32) check_panels(l.w, N, K);
   return l;
 }
@@ -734,6 +754,7 @@ torch::Tensor block_linear(int64_t kind, torch::Tensor x, torch::Tensor qs, torc
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32");
   TORCH_CHECK(is_block(kind), "block_linear: kind must be Q4_1 (1), Q8_0 (2), Q4_1_Q8 (6) or Q8_0_Q8 (7)");
+  check_blocks(kind, qs, d, m, N, K);
   auto y = torch::empty({M, N}, x.options());
   py::gil_scoped_release nogil;
   block_gemm_kind(kind, x.data_ptr<float>(), M, K, qs.data_ptr(), d.data_ptr<float>(),
