@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, specbuild/__init__.py)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,7 +37,7 @@ from bench_engine import KINDS, engine_dir, log, prompts  # noqa: E402  (the sam
 
 from specbuild.engines.embedded import Engine, EngineConfig, SamplingParams  # noqa: E402
 from specbuild.core.paths import cache_dir  # noqa: E402
-from specbuild.core.machine import describe  # noqa: E402
+from specbuild.core.machine import describe, foreign_env  # noqa: E402
 from specbuild.engines.embedded.fused import status as fused_status  # noqa: E402
 from specbuild.engines.embedded.step import linear_kernel_of  # noqa: E402
 
@@ -58,7 +59,7 @@ def llama_plain(d: Path, prompt: str, tokens: int, threads: int) -> float:
     out = subprocess.run([str(d / "bin" / "llama-completion"), "-m", str(d / "models" / "SmolLM2-135M-Instruct.F32.gguf"),
                           "-p", prompt, "-n", str(tokens), "--temp", "0", "--ignore-eos", "-no-cnv", "-t", str(threads),
                           "--no-warmup", "--seed", "1", "--no-display-prompt"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=foreign_env())
     lines = [ln for ln in out.stderr.splitlines() if "eval time" in ln and "prompt eval" not in ln]
     m = _EVAL.search(lines[-1]) if lines else None
     if out.returncode != 0 or m is None:
@@ -75,7 +76,7 @@ def llama_spec(d: Path, prompt: str, tokens: int, threads: int, k: int) -> tuple
                           "-md", str(models / "SmolLM2-135M-Instruct.Q4_1.gguf"), "--spec-type", "draft-simple",
                           "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "-p", prompt, "-n", str(tokens),
                           "--temp", "0", "--ignore-eos", "-t", str(threads), "-td", str(threads), "--seed", "1"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=foreign_env())
     text = out.stdout + out.stderr
     m, a = _DECODED.search(text), _ACCEPT.search(text)
     if out.returncode != 0 or m is None:

@@ -1,8 +1,9 @@
 """`make bench`: the served policy (the build's defaults) against speculation off and forced K, side by side.
 
-On the demo engine (`specbuild build --draft-quantize int8 --max-batch-size 8` of SmolLM2-135M-Instruct: the
-int8 self-draft, calibrated K, adaptive K below the measured crossover, no drafting above it), served by the
-engine's own serving thread (`Engine.start` + `submit` with a streaming callback, as the Triton model runs it):
+On the demo engine (`specbuild build --draft-quantize int4 --max-batch-size 8` of SmolLM2-135M-Instruct: the
+int4 self-draft (the GGUF's own blocks), calibrated K, adaptive K below the measured crossover, no drafting above
+it), served by the engine's own serving thread (`Engine.start` + `submit` with a streaming callback, as the
+Triton model runs it):
 
   chat    U = 1, 2, 4 closed-loop streaming users (each sends its next chat prompt, through the chat template, when
           the previous answer is complete; user i starts i * 0.15 s after the first); TTFT = submit -> first
@@ -29,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, specbuild/__init__.py)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
     finally:
         engine.shutdown()
     result = summarize(raw, runs)
-    result.update(model="demo:smollm2-135m-instruct", draft="int8 self-draft", policy=policy, runs=runs,
+    result.update(model="demo:smollm2-135m-instruct", draft="int4 self-draft", policy=policy, runs=runs,
                   chat_tokens=tokens, batch_tokens=btokens, chat_requests_per_user=per_user,
                   batch_users=BATCH_USERS, max_batch_size=engine.config.max_batch_size,
                   threads=torch.get_num_threads(), cpu_count=os.cpu_count(), load_avg_before=load_before,

@@ -62,3 +62,14 @@ def one_line(machine: dict[str, Any]) -> str:
     """"AMD EPYC ..., 2 CPUs (avx2 avx512f ...)" for a report header."""
     isa = " ".join(machine.get("isa") or []) or "no AVX2"
     return f"{machine.get('cpu') or machine.get('platform')}, {machine.get('cpu_count')} CPUs ({isa})"
+
+
+def foreign_env() -> dict[str, str]:
+    """The environment for a program that is not ours (llama.cpp's servers and tools are built with OpenMP): without
+    the OpenMP wait policy `import specbuild` set for torch (specbuild/__init__.py), so it runs as its users run it."""
+    import specbuild
+
+    env = dict(os.environ)
+    if specbuild._OMP_SET_HERE and env.get("OMP_WAIT_POLICY") == "passive":
+        del env["OMP_WAIT_POLICY"]
+    return env

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from specbuild.core import http
+from specbuild.core.machine import foreign_env
 
 VERSION = "11434"
 BINARIES = ("llama-server", "llama-bench", "llama-speculative-simple", "llama-completion", "llama-quantize")
@@ -107,7 +108,8 @@ class LlamaServer:
     def start(self, timeout: float = 300.0) -> "LlamaServer":
         self.port = self.port or _free_port()
         log = open(self.log, "w") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=foreign_env())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

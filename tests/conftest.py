@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, specbuild/__init__.py)
+
 from tinymodels import make_checkpoint, make_tokenizer
 
 

@@ -233,3 +233,65 @@ def test_int4_of_a_gguf_derived_model_holds_the_targets_weights(tiny_llama):
     for name, mod in draft.named_modules():
         if isinstance(mod, BlockLinear):
             assert torch.equal(mod.dense_weight(), model.get_submodule(name).weight)
+
+
+@needs_ext
+def test_kernel_loops_give_the_same_bits_from_any_thread_and_at_once():
+    """The kernels' loops run on the extension's own workers (not torch's OpenMP, which slowed every loop of a
+    serving thread: csrc/fused.cpp, Pool). Whichever thread calls, and with four calling at once (one gets the
+    workers, the rest run serially), every call gives the bits the main thread computes."""
+    import threading
+
+    from specbuild.engines.embedded.blocks import interleave_blocks
+    from specbuild.engines.embedded.kernels import TiledLinear
+
+    gen = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(576, 1000, bias=True)          # 63 panels: several chunks per worker
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(1000, 576, generator=gen) * 0.05)
+    tiled = TiledLinear(lin, fused.extension())
+    q, _ = BlockLinear.from_linear(lin, "q4_1")
+    inter = interleave_blocks(q.qs, q.d, q.m)
+    xs = [torch.randn(m, 576, generator=gen) for m in (1, 3, 9)]
+    calls = [lambda x=x: tiled(x) for x in xs] + \
+            [lambda x=x: fused.block_linear(fused.INT8_ACTIVATIONS[q.kind], x, *inter, None, 1000) for x in xs]
+    want = [c() for c in calls]
+    bad: list[str] = []
+
+    def caller(t: int) -> None:
+        for rep in range(15):
+            for i, c in enumerate(calls):
+                if not torch.equal(c(), want[i]):
+                    bad.append(f"thread {t} rep {rep} call {i}")
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a kernel call never returned"
+    assert not bad, bad[:5]
+
+
+def test_import_specbuild_sets_a_passive_openmp_wait_policy_only_before_torch_and_only_for_ours(tmp_path):
+    """`import specbuild` before torch sets OMP_WAIT_POLICY=passive (torch's OpenMP workers would spin on the
+    cores the kernels' workers use); not over the user's own choice, not after torch (too late: it says so), and
+    never for a foreign program (llama.cpp runs as its users run it)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os, sys\n{first}\nimport specbuild\nfrom specbuild.core.machine import foreign_env\n"
+             "print(os.environ.get('OMP_WAIT_POLICY'), specbuild.OMP_THREADS_SPIN, "
+             "foreign_env().get('OMP_WAIT_POLICY'))")
+
+    def run(first: str, **env) -> str:
+        base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        out = subprocess.run([sys.executable, "-c", probe.format(first=first)], capture_output=True, text=True,
+                             env={**base, **env}, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run("") == "passive False None"
+    assert run("", OMP_WAIT_POLICY="active") == "active False active"
+    assert run("import torch") == "None True None"

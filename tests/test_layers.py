@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "specbuild"
 SOURCE_DIRS = ("core", "engines", "loadtests", "pipeline", "cli", "model_repository")
 
-# floor -> the floors it may import (besides itself and the root package, which holds only the version)
+# floor -> the floors it may import (besides itself and the root package, which holds only the version and
+# torch's OpenMP wait policy, set before torch loads)
 ALLOWED = {
     "core": set(),
     "engines.embedded": {"core"},

@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 
+import specbuild
 from specbuild.engines.embedded.adaptive import AcceptanceTracker
 from specbuild.engines.embedded.config import ADAPTIVE_K, EXACT, ConfigError, EngineConfig, Policy, default_policy
 from specbuild.engines.embedded.detok import IncrementalDetokenizer
@@ -100,6 +101,10 @@ class Engine:
 
         self.decode_step = decode_step_of(target, self.scorer.cache)       # "fused" | "eager", what forwards run
         log.info("decode step: %s", self.decode_step if self.decode_step == "fused" else status())
+        if self.decode_step == "fused" and specbuild.OMP_THREADS_SPIN:
+            log.warning("torch was imported before specbuild with OpenMP's default wait policy: its workers spin "
+                        "after every op on the cores the fused step's kernels use (a step ran 1.2-1.5x slower). Set "
+                        "OMP_WAIT_POLICY=passive, or import specbuild before torch.")
         measured = (config.calibration or {}).get("decode_step")
         if measured and measured != self.decode_step:
             log.warning("the build's calibration was measured on the %s decode step but this engine runs %s: its "

@@ -153,6 +153,9 @@ def measure_linear_kernels(reps: int = 5) -> dict:
         cpu0, wall0 = _process_cpu_s(), time.perf_counter()
         for _ in range(reps):
             for name, fn in (("tiled", tiled), ("onednn", onednn)):
+                # once untimed: the other kernel's workers (torch's OpenMP threads or the extension's own) may
+                # still spin on a core just after it returns; the timed run then meets this kernel's own state
+                fn()
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)

@@ -22,13 +22,153 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include <immintrin.h>
+#include <pthread.h>
 
 namespace {
+
+// ---- the kernels' own worker pool -------------------------------------------------------------------------------
+// Not at::parallel_for: libgomp counts the workers of every thread that ever ran a parallel region, and once that
+// count passes the CPUs (the main thread loaded the engine, then a serving thread steps it: 2 + 2 on 2 CPUs) every
+// worker spins only ~100 iterations before it sleeps, so each of a step's ~200 parallel loops waited on a futex
+// wake-up: the same step ran 1.45x (target) to 2.5x (int4 draft) slower in the serving thread than in the thread
+// that loaded it (bench/README.md "2026-12-04 evening"). These workers are the kernels' own: whichever thread
+// calls, they spin for up to SPIN_US after a loop (a decode step's loops follow each other by microseconds; a
+// longer spin would take a core from a oneDNN linear between them), then sleep on a condition variable: at most
+// one wake-up a step. One loop at a time: a second caller, or a loop inside a loop, runs serially.
+class Pool {
+ public:
+  static constexpr int64_t SPIN_US = 100;
+
+  static Pool& get() {
+    Pool* p = instance().load(std::memory_order_acquire);
+    if (p != nullptr) return *p;
+    static std::once_flag once;           // a forked child has none of the workers: it makes its own pool
+    std::call_once(once, [] {
+      pthread_atfork(nullptr, nullptr, [] { instance().store(nullptr); creating() = new std::mutex; });
+    });
+    std::lock_guard<std::mutex> lk(*creating());
+    p = instance().load(std::memory_order_acquire);
+    if (p == nullptr) {
+      p = new Pool(std::max(0, at::get_num_threads() - 1));   // never freed: no teardown at exit
+      instance().store(p, std::memory_order_release);
+    }
+    return *p;
+  }
+
+  // f(a, b) over [begin, end) in at most at::get_num_threads() chunks of at least `grain` (at::parallel_for's split)
+  template <class F>
+  void run(int64_t begin, int64_t end, int64_t grain, const F& f) {
+    const int64_t range = end - begin;
+    if (range <= 0) return;
+    const int64_t want = std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()),
+                                            static_cast<int64_t>(workers_.size()) + 1,
+                                            (range + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1)});
+    if (want <= 1 || in_worker() || !busy_.try_lock()) {
+      f(begin, end);
+      return;
+    }
+    const int64_t chunk = (range + want - 1) / want;
+    std::function<void(int64_t)> body = [&](int64_t t) {
+      const int64_t a = begin + t * chunk, b = std::min(end, a + chunk);
+      if (a < b) f(a, b);
+    };
+    error_ = nullptr;
+    task_ = &body;
+    pending_.store(static_cast<int>(workers_.size()), std::memory_order_seq_cst);
+    gen_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lk(m_);
+      cv_.notify_all();
+    }
+    std::exception_ptr mine;
+    try {
+      body(0);
+    } catch (...) {
+      mine = std::current_exception();
+    }
+    while (pending_.load(std::memory_order_acquire) > 0) _mm_pause();   // body lives on this stack: wait for all
+    task_ = nullptr;
+    std::exception_ptr theirs = error_;
+    busy_.unlock();
+    if (mine) std::rethrow_exception(mine);
+    if (theirs) std::rethrow_exception(theirs);
+  }
+
+ private:
+  explicit Pool(int n) {
+    for (int i = 0; i < n; i++) workers_.emplace_back([this, i] { loop(i); });
+    for (auto& w : workers_) w.detach();
+  }
+
+  static std::atomic<Pool*>& instance() {
+    static std::atomic<Pool*> p{nullptr};
+    return p;
+  }
+
+  static std::mutex*& creating() {
+    static std::mutex* m = new std::mutex;
+    return m;
+  }
+
+  static bool& in_worker() {
+    static thread_local bool w = false;
+    return w;
+  }
+
+  void loop(int i) {
+    in_worker() = true;
+    uint64_t seen = 0;      // the generation at construction: a loop posted before this thread ran is still run
+    for (;;) {
+      auto t0 = std::chrono::steady_clock::now();
+      uint64_t g;
+      for (uint32_t spins = 1; (g = gen_.load(std::memory_order_acquire)) == seen; spins++) {
+        _mm_pause();
+        if (spins % 256 == 0 &&
+            std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(SPIN_US)) {
+          std::unique_lock<std::mutex> lk(m_);
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          cv_.wait(lk, [&] { return gen_.load(std::memory_order_seq_cst) != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+          t0 = std::chrono::steady_clock::now();
+        }
+      }
+      seen = g;
+      try {
+        (*task_)(i + 1);      // chunk 0 is the caller's; a chunk past the range is empty
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(m_);
+        if (!error_) error_ = std::current_exception();
+      }
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<int> sleepers_{0};
+  std::function<void(int64_t)>* task_ = nullptr;
+  std::exception_ptr error_;
+  std::mutex m_, busy_;
+  std::condition_variable cv_;
+};
+
+template <class F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  Pool::get().run(begin, end, grain, f);
+}
 
 // AVX2 + FMA (x86-64 since 2013; where they are missing the build fails and the engine runs eager PyTorch).
 
@@ -151,7 +291,7 @@ void block_gemm(int kind, const float* x, int64_t M, int64_t K, const void* qs, 
                 const float* bias, float* y, int64_t N) {
   const int64_t nb = K / QK;
   const int64_t qbytes = kind == 1 ? 16 : 32;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* q = static_cast<const uint8_t*>(qs) + n * nb * qbytes;
       const float* dn = d + n * nb;
@@ -306,7 +446,7 @@ void block_gemm_q8_t(const float* x, int64_t M, int64_t K, const void* qs, const
   constexpr int64_t gbytes_per_block = (KIND == 1 ? 4 : 8) * 64;
   std::vector<QRow> rows(M);
   for (int64_t r = 0; r < M; r++) quantize_row_q8(x + r * K, K, rows[r]);
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     alignas(64) float out[IQ_ROWS * IGROUP];
     const QRow* xr[IQ_ROWS];
     for (int64_t g = g0; g < g1; g++) {
@@ -412,7 +552,7 @@ inline void panel_rows(const float* x, int64_t K, const float* P, int64_t p0, in
 
 void tiled_gemm(const float* x, int64_t M, int64_t K, const float* P, const float* bias, float* y, int64_t N) {
   const int64_t npan = (N + PANEL - 1) / PANEL;
-  at::parallel_for(0, npan, PANEL_CHUNK, [&](int64_t a, int64_t b) {
+  parallel_for(0, npan, PANEL_CHUNK, [&](int64_t a, int64_t b) {
     for (int64_t c0 = a; c0 < b; c0 += PANEL_CHUNK) {
       const int64_t c1 = std::min(b, c0 + PANEL_CHUNK);
       int64_t r = 0;
@@ -709,7 +849,7 @@ class Runner {
     int64_t work = 0;
     for (int64_t r = 0; r < N; r++) work += (ps[r] + 1) * nh;
     const int64_t grain = work > 2048 ? 1 : N * nh;     // small steps: no thread fork/join
-    at::parallel_for(0, N * nh, grain, [&](int64_t t0, int64_t t1) {
+    parallel_for(0, N * nh, grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> sc(S + 8);
       for (int64_t t = t0; t < t1; t++) {
         const int64_t r = t / nh, h = t % nh, kvh = h / group, n = ps[r] + 1;
