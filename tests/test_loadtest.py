@@ -427,7 +427,7 @@ def test_a_paused_server_is_reported_as_a_stall_and_the_run_recovers(embedded, t
     # A chat user thinks up to 2.0 s between requests (its profile's wait_time): when none was in flight at the
     # SIGSTOP, the silence starts with the next request, up to 2.0 s into the pause.
     assert quiet["longest_s"] >= pause_s - 2.0 - 0.5, quiet
-    assert quiet["stalls"] and max(s["s"] for s in quiet["stalls"]) == quiet["longest_s"]
+    assert quiet["stalls"] and max(s["s"] for s in quiet["stalls"]) == quiet["longest_s"], (quiet, cell["requests"])
     assert "the server sent nothing for" in output
     assert "Stalls (requests in flight" in (out / "report.md").read_text()
 

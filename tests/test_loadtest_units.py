@@ -472,6 +472,15 @@ def test_silences_find_the_gap_with_requests_waiting_and_ignore_idle_time():
     idle = steady + [req(10.0 + t * 0.1, 20.0, [10.0], 40.0) for t in range(5)]
     assert silences(idle)["stalls"] == []
     assert silences([])["longest_s"] is None and silences(steady[:1])["stalls"] == []
+    # a short run (under 100 silences, so its p99 is its longest): the pause still stands out against the sixth
+    # longest silence, and up to five such pauses all do; six equal ones are the run's own pace, not stalls
+    short = [req(t * 0.5, 20.0, [], 40.0) for t in range(12)]                    # 12 silences of 20 ms
+    assert len(short) * 2 < 100
+    out = silences(short + [req(6.0, 6000.0, [], 6000.0)] + [req(12.5 + t * 0.5, 20.0, [], 40.0) for t in range(5)])
+    assert [round(s["s"]) for s in out["stalls"]] == [6] and out["longest_s"] == out["stalls"][0]["s"]
+    pauses = [req(20.0 + 10 * k, 3000.0, [], 3000.0) for k in range(5)]
+    assert len(silences(short + pauses)["stalls"]) == 5
+    assert silences(short + pauses + [req(80.0, 3000.0, [], 3000.0)])["stalls"] == []
 
 
 def test_the_soak_counts_good_requests_slowed_beyond_their_p99_by_a_hostile_one():
