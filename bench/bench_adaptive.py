@@ -1,9 +1,9 @@
 """Adaptive K vs fixed K vs off on mixed traffic, and the concurrency where drafting stops paying.
 
-On SmolLM2-135M-Instruct (fp32, CPU) with the int8 self-draft (the demo engine, built by bench_engine's
-recipe: `build --draft-quantize int8`) and the n-gram proposer, in one process:
+On SmolLM2-135M-Instruct (fp32, CPU) with the int4 self-draft (the demo engine, built by bench_engine's
+recipe: `build --draft-quantize int4`) and the n-gram proposer, in one process:
 
-  step costs      target step, target verify over K+1 positions, int8 draft step (calibrate.forward_probe,
+  step costs      target step, target verify over K+1 positions, int4 draft step (calibrate.forward_probe,
                   interleaved medians) -> the `calibration` adaptive K reads (as `build` would record it);
                   re-measured at the start of every run (`Engine.update_calibration`), because on a shared
                   machine the load, and with it c and v(K), changes from minute to minute
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     load_before = os.getloadavg()
-    log("the demo engine (bench_engine's recipe: build --draft-quantize int8; a no-op when up to date)")
+    log("the demo engine (bench_engine's recipe: build --draft-quantize int4; a no-op when up to date)")
     edir = engine_dir(Path(args.workdir) if args.workdir else cache_dir() / "bench-work")
     # Fixed K and adaptive K are measured without the cut-off; the policy cell sets the build's one.
     built = EngineConfig.load(edir).policy
@@ -194,7 +194,7 @@ def summarize(raw: dict, args, calibrations: list[dict]) -> dict:
                              "policy_vs_off": statistics.median(p["tok_s"] / o["tok_s"]
                                                                 for p, o in zip(raw[g][POLICY], raw[g]["off"]))}
         mix[g] = {"settings": rows, "verdict": verdict}
-    return {"model": MODEL, "draft": "SmolLM2-135M-Instruct int8 self-draft (weight-only int8 copy of the target)",
+    return {"model": MODEL, "draft": "SmolLM2-135M-Instruct int4 self-draft (the GGUF's own Q4_1 / Q8_0 blocks)",
             "runs": args.runs, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens, "quick": args.quick,
             "prompts": ["chat", "code", "summarization", "chat"], "calibrations": calibrations,
             "cost_models": [{p: vars(m) for p, m in cost_models(c).items()} for c in calibrations], "mix": mix}
