@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The end-to-end demo, offline, on 2 CPU cores (about 13 minutes; DEMO_DURATION=15: shorter):
+# The end-to-end demo, offline, on 2 CPU cores (about 11 minutes; DEMO_DURATION=15: about 7):
 #   SmolLM2-135M-Instruct (target) + its own 4-bit blocks as the draft (the GGUF's Q4_1/Q8_0: the target's weights)
 #   convert -> build (calibrate K) -> deploy -> serve -> infer -> verify -> loadtest chat & batch swept over
 #   concurrency with speculation off / the default policy / forced draft -> report (gain by load, crossover) -> stop.
