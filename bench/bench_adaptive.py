@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, specbuild/__init__.py)
+import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, ./__init__.py)
 import torch
 
 from specbuild.engines.embedded import Engine, EngineConfig, Policy, SamplingParams

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, specbuild/__init__.py)
+import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, ./__init__.py)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -66,7 +66,7 @@ def one_line(machine: dict[str, Any]) -> str:
 
 def foreign_env() -> dict[str, str]:
     """The environment for a program that is not ours (llama.cpp's servers and tools are built with OpenMP): without
-    the OpenMP wait policy `import specbuild` set for torch (specbuild/__init__.py), so it runs as its users run it."""
+    the OpenMP wait policy `import specbuild` set for torch (./__init__.py), so it runs as its users run it."""
     import specbuild
 
     env = dict(os.environ)

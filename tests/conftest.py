@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, specbuild/__init__.py)
+import specbuild  # noqa: F401  (before torch: it sets torch's OpenMP wait policy, ./__init__.py)
 
 from tinymodels import make_checkpoint, make_tokenizer
 
