@@ -4,6 +4,8 @@ decoding; greedy output stays token-identical to target-only output and the cach
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from specbuild.engines.embedded import Engine, SamplingParams
@@ -38,9 +40,9 @@ class Events:
             self.log.append(("propose", {s.request_id for s, k in zip(seqs, ks) if k > 0}))
             return propose(seqs, ks, **kw)
 
-        def rec_score(seqs, drafts):
+        def rec_score(seqs, drafts, **kw):
             self.log.append(("score", {s.request_id for s in seqs}))
-            return score(seqs, drafts)
+            return score(seqs, drafts, **kw)
 
         monkeypatch.setattr(sched.draft, "propose", rec_propose)
         monkeypatch.setattr(sched.scorer, "score", rec_score)
@@ -218,5 +220,57 @@ def test_a_request_arriving_during_drafting_streams_before_that_rounds_verify(en
     assert kinds == [("propose", [a]), ("delta", b), ("score", [a]), ("delta", a)]
     sa, sb = sched.by_id[a], sched.by_id[b]
     assert sb.draft_len == 0                                 # its draft prefill is the next step's
+    drive(eng, lambda: sa.finished and sb.finished)
+    assert sa.generated == plain[PROMPTS[1]] and sb.generated == plain[PROMPTS[2]]
+
+
+def test_a_request_arriving_during_a_verify_streams_before_that_verify_ends(eng, plain, monkeypatch):
+    """A newcomer that arrives while the target verifies is prefilled between the verify's pieces of layers
+    (`ragged_forward(between=...)`, on the fused step): its first token waits for a piece of the verify, not for
+    all of it. The verify's rows compute the same bits in pieces, so both outputs stay the target's, and the
+    verify's time that adaptive K learns from leaves the newcomer's prefill out."""
+    from specbuild.engines.embedded.step import decode_step_of
+
+    assert decode_step_of(eng.scorer.model, eng.scorer.cache) == "fused"    # the pieces need the fused step
+    ev = Events(eng, monkeypatch)
+    sched = eng.scheduler
+    a = eng.submit(PROMPTS[1], GREEDY, num_draft_tokens=4, on_output=ev.on_output)
+    sched.step()
+    score, box, pieces = sched.scorer.score, {}, []
+
+    def arrive_during_score(seqs, drafts, between=None):
+        assert between is not None
+
+        def hook():
+            pieces.append(len(pieces))
+            if "b" not in box:
+                box["b"] = eng.submit(PROMPTS[2], GREEDY, num_draft_tokens=4, on_output=ev.on_output)
+            between()
+        return score(seqs, drafts, between=hook)
+
+    monkeypatch.setattr(sched.scorer, "score", arrive_during_score)
+    observed = []
+    observe = sched.kplan.observe
+    monkeypatch.setattr(sched.kplan, "observe", lambda n, ss, pp, t_draft, t_verify: (
+        observed.append(t_verify), observe(n, ss, pp, t_draft, t_verify))[-1])
+    clock = sched.clock
+    admit = sched._admit
+    def slow_admit(**kw):                                     # a slow prefill between the verify's pieces
+        if kw.get("catch_up") is False:
+            time.sleep(0.5)
+        return admit(**kw)
+
+    monkeypatch.setattr(sched, "_admit", slow_admit)
+    t0 = clock()
+    sched.step()
+    took = clock() - t0
+    b = box["b"]
+    kinds = [(kind, x.request_id if kind == "delta" else sorted(x)) for kind, x in ev.log[-3:]]
+    # ... verify{a} (b submitted during it), b's first token before the verify's end, then a's tokens
+    assert kinds == [("score", [a]), ("delta", b), ("delta", a)], kinds
+    assert len(pieces) == 3
+    assert took >= 0.5 and observed and observed[-1] < took - 0.45        # the prefill is not the verify's
+    monkeypatch.setattr(sched, "_admit", admit)
+    sa, sb = sched.by_id[a], sched.by_id[b]
     drive(eng, lambda: sa.finished and sb.finished)
     assert sa.generated == plain[PROMPTS[1]] and sb.generated == plain[PROMPTS[2]]

@@ -198,8 +198,8 @@ def test_a_failing_sequence_stops_alone(eng, reference, monkeypatch):
     fe.start(run_engine=False)
     orig_score = eng.scorer.score
 
-    def score(seqs, drafts):
-        out = orig_score(seqs, drafts)
+    def score(seqs, drafts, **kw):
+        out = orig_score(seqs, drafts, **kw)
         return [lg.fill_(math.nan) if s.request_id == "nan" else lg for s, lg in zip(seqs, out)]
 
     monkeypatch.setattr(eng.scorer, "score", score)

@@ -188,6 +188,40 @@ def test_fused_rows_do_not_depend_on_who_shares_the_batch(tiny_llama):
     assert torch.equal(batched[3:9], alone)
 
 
+@needs_ext
+def test_a_forward_in_pieces_with_another_prefill_between_gives_the_same_bits(tiny_llama):
+    """`ragged_forward(between=...)` runs the layers in pieces and calls `between` after each (the scheduler
+    prefills a newcomer there, into another slot of the same cache): the rows and the cache they write are
+    bitwise those of one whole forward, and so is the newcomer's prefill. A layer range out of bounds is
+    refused."""
+    from specbuild.engines.embedded.model import PIECES
+    from specbuild.engines.embedded.step import pack_linears_, runner_for
+
+    model = load_model(tiny_llama, dtype="float32")
+    pack_linears_(model)
+    a, b = _cache(model, "fused"), _cache(model, "fused")
+    ctx, rows, newcomer = [5, 6, 7, 8], [[9, 10, 11], [12, 13]], [14, 15, 16, 17, 18]
+    for c in (a, b):
+        ragged_forward(model, c, [0, 1], [0, 0], [ctx, ctx[:2]], "none")
+    whole = ragged_forward(model, a, [0, 1], [4, 2], rows, "all")
+    alone = ragged_forward(model, a, [2], [0], [newcomer], "all")
+    calls, seen = [], []
+
+    def between():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            seen.append(ragged_forward(model, b, [2], [0], [newcomer], "all"))
+
+    pieces = ragged_forward(model, b, [0, 1], [4, 2], rows, "all", between=between)
+    assert len(calls) == PIECES and torch.equal(pieces, whole) and torch.equal(seen[0], alone)
+    for ka, kb in zip(a.k + a.v, b.k + b.v):
+        assert torch.equal(ka, kb)
+    runner = runner_for(model, a)
+    x = torch.zeros(1, model.cfg.hidden_size)
+    with pytest.raises(RuntimeError, match="layer range"):
+        runner.forward(x, torch.tensor([0]), torch.tensor([0]), 2, model.cfg.num_layers + 1)
+
+
 def test_a_required_fused_step_that_is_missing_is_refused(tiny_llama, monkeypatch):
     model = load_model(tiny_llama, dtype="float32")
     monkeypatch.setattr(fused, "_EXT", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -237,17 +238,21 @@ class Transformer(nn.Module):
 
 @torch.inference_mode()
 def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int], rows: list[list[int]],
-                   logits: str = "last", device="cpu"):
+                   logits: str = "last", device="cpu", between: Callable[[], None] | None = None):
     """Run rows of new tokens (row i at positions starts[i]..) in one forward: the fused step when the cache
     has a runner for this model (fused.py: ragged, no padding), else one padded eager forward.
 
     logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None.
+    between: on the fused step, the layers run in PIECES pieces and `between()` is called after each (the last
+    one before the lm_head): the scheduler prefills a request that arrived during a verify there, so its first
+    token does not wait for the whole verify. It may run other forwards over other slots of the same cache; the
+    rows here compute the same bits either way.
     """
     from specbuild.engines.embedded.step import runner_for
 
     runner = runner_for(model, cache, getattr(cache, "decode_step", "auto"))
     if runner is not None:
-        return _fused_forward(model, runner, slots, starts, rows, logits, device)
+        return _fused_forward(model, runner, slots, starts, rows, logits, device, between)
     B, T = len(rows), max(len(r) for r in rows)
     lens = [len(r) for r in rows]
     if B == 1:
@@ -272,12 +277,22 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
     return None if logits == "none" else out
 
 
-def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str, device):
+PIECES = 3      # a forward with a `between` hook runs its layers in this many pieces (ragged_forward)
+
+
+def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str, device, between=None):
     flat = [t for r in rows for t in r]
-    slot = [s for s, r in zip(slots, rows) for _ in r]
-    pos = [p0 + i for p0, r in zip(starts, rows) for i in range(len(r))]
-    x = model.embed(torch.tensor(flat, dtype=torch.long, device=device))
-    h = runner.forward(x, torch.tensor(slot, dtype=torch.long), torch.tensor(pos, dtype=torch.long))
+    slot = torch.tensor([s for s, r in zip(slots, rows) for _ in r], dtype=torch.long)
+    pos = torch.tensor([p0 + i for p0, r in zip(starts, rows) for i in range(len(r))], dtype=torch.long)
+    h = model.embed(torch.tensor(flat, dtype=torch.long, device=device))
+    if between is None:
+        h = runner.forward(h, slot, pos)
+    else:
+        n = runner.num_layers()
+        cuts = sorted({round(n * j / PIECES) for j in range(PIECES + 1)})
+        for a, b in zip(cuts, cuts[1:]):
+            h = runner.forward(h, slot, pos, a, b)
+            between()
     if logits == "none":
         return None
     if logits == "last":

@@ -1,7 +1,9 @@
 """Continuous batching: one `step()` = admit and prefill new requests, then one speculative round for every
 running sequence (`_round`: K per sequence, propose, score, accept, commit), then deliver what it produced.
 
-Requests join (admission, when a slot is free) and leave (stop, length, abort, timeout) between steps. Each
+Requests join (admission, when a slot is free) and leave (stop, length, abort, timeout) between steps; a
+request that arrives mid-round is prefilled, and its first token streamed, after the draft step it interrupts
+or between the pieces of the verify (`_admit_arrivals`), without waiting for the round to end. Each
 running sequence has its own K (0 = plain decoding) and proposer; drafting is batched per proposer and the target
 verifies every running sequence in one forward. `Engine.generate()`, `generate_batch()`, calibration, the
 benchmarks and the serving thread all run requests through this same `step()`.
@@ -69,6 +71,7 @@ class Scheduler:
         self.requests_total = 0
         self.failed_total = 0                                    # sequences finished with reason "error"
         self.on_step: Callable[[], None] | None = None           # called after every step (metrics push)
+        self._fed_this_step = False                              # a prompt chunk was fed in this step
 
     @property
     def waiting(self):
@@ -129,6 +132,7 @@ class Scheduler:
         with self.lock:
             for s, message, kind in self.admission.overdue(self.running):
                 self._stop(s, message, kind)
+        self._fed_this_step = False     # _admit sets it when it feeds a prompt chunk (_admit_arrivals reads it)
         self._admit()
         with self.lock:
             seqs = [s for s in self.running if not s.finished]
@@ -147,20 +151,41 @@ class Scheduler:
             # first token now, before this round's verify, so it waits for at most one draft step — less than
             # the target step it would wait for without speculation. Its draft prefill is the next step's.
             self._admit(catch_up=False)
+        admitted: list[float] = []      # seconds of prefill run between the verify's pieces
         t1b = self.clock()
-        # The target scores [last, d1..dK] of every sequence in one forward: logits [K_i + 1, V] each.
+        # The target scores [last, d1..dK] of every sequence in one forward: logits [K_i + 1, V] each. A request
+        # that arrives meanwhile is prefilled between the forward's pieces (`_admit_arrivals`), so its first
+        # token waits for a third of the layers, not for a verify of every sequence's K + 1 positions.
         logits = self._stage("score", seqs, lambda ss, ix: self.scorer.score(
-            ss, [proposals[i].token_ids for i in ix]), skip=proposals)
+            ss, [proposals[i].token_ids for i in ix], between=lambda: self._admit_arrivals(admitted)),
+            skip=proposals)
         t2 = self.clock()
+        verify_s = t2 - t1b - sum(admitted)          # the verify's own time (adaptive K prices K with it)
         with self.lock:                                                  # metrics() reads the samples
-            self.kplan.observe(len(seqs), seqs, proposals, t1 - t0, t2 - t1b)
+            self.kplan.observe(len(seqs), seqs, proposals, t1 - t0, verify_s)
         results = self._stage("accept", seqs, lambda ss, ix: accept_batch(
             ss, [proposals[i] for i in ix], [logits[i] for i in ix], self.acceptance_rule), skip=logits)
-        timings = {"propose": t1 - t0, "score": t2 - t1b, "accept": self.clock() - t2}
+        timings = {"propose": t1 - t0, "score": verify_s, "accept": self.clock() - t2}
         with self.lock:
             for s, k, p, acc in zip(seqs, ks, proposals, results):
                 if not s.finished and acc is not None:     # else: aborted while the step ran, or failed alone
                     self._commit(s, k, p, acc, timings, cutoff)
+
+    def _admit_arrivals(self, spent: list[float]) -> None:
+        """Between the pieces of a verify: prefill what `Admission.pending()` says can start now, and stream its
+        first token (its draft prefill is the next step's); appends the seconds it took to `spent`. Only in a
+        step that has fed no prompt yet (at its start or after the draft), so a step feeds no more prompt
+        chunks than before (one; two where drafting stopped early for a newcomer) and the running sequences'
+        next tokens wait for no more prefill. Its failures are its own requests' (`_admit` reports them, the
+        verify goes on)."""
+        if self._fed_this_step or not self.admission.pending():
+            return
+        t = self.clock()
+        try:
+            self._admit(catch_up=False)
+        except Exception:  # noqa: BLE001 - the verify of the running sequences must not fail for a newcomer
+            log.exception("admitting a request during a verify failed")
+        spent.append(self.clock() - t)
 
     def _drafted_with_model(self, seqs: list[Sequence], ks: list[int]) -> bool:
         return self.draft is not None and any(k > 0 and s.proposer == "draft" for s, k in zip(seqs, ks))
@@ -238,6 +263,7 @@ class Scheduler:
             live_running = sum(1 for s in self.running if not s.finished)
             chunk, ends = self.admission.plan_prefill(live_running)
         if chunk:
+            self._fed_this_step = True
             try:
                 t0 = self.clock()
                 logits = self.scorer.feed(chunk, ends, want_logits=True)

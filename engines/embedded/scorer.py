@@ -17,11 +17,12 @@ class TargetScorer(CachedRunner):
     length_attr = "target_len"
 
     @torch.inference_mode()
-    def score(self, seqs, drafts: list[list[int]]) -> list[torch.Tensor]:
-        """-> per sequence, logits [len(drafts[i]) + 1, V] (float32)."""
+    def score(self, seqs, drafts: list[list[int]], between=None) -> list[torch.Tensor]:
+        """-> per sequence, logits [len(drafts[i]) + 1, V] (float32). `between`: see `ragged_forward`."""
         rows = [[s.tokens[-1]] + d for s, d in zip(seqs, drafts)]
         starts = [len(s.tokens) - 1 for s in seqs]
-        logits = ragged_forward(self.model, self.cache, [s.slot for s in seqs], starts, rows, "all", self.device)
+        logits = ragged_forward(self.model, self.cache, [s.slot for s in seqs], starts, rows, "all", self.device,
+                                between=between)
         out, o = [], 0
         for s, r in zip(seqs, rows):
             lg = logits[o:o + len(r)]

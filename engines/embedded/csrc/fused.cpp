@@ -749,10 +749,17 @@ class Runner {
     layers.push_back(Layer{in_norm, post_norm, qkv, o, gate_up, down});
   }
 
-  // x [N, H] float32 (the embedded tokens), slots/pos [N] int64 -> hidden states [N, H] after every layer
-  torch::Tensor forward(torch::Tensor x, torch::Tensor slots, torch::Tensor pos) {
+  // x [N, H] float32 (the embedded tokens, or the hidden states after layer `first` - 1), slots/pos [N] int64 ->
+  // hidden states [N, H] after layers [first, last) (last -1: every layer to the end). A forward run in pieces
+  // gives the same bits as one run whole: each row's arithmetic is its own (the scheduler runs another request's
+  // prefill between the pieces of a verify, model.py `ragged_forward(between=...)`).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor slots, torch::Tensor pos, int64_t first, int64_t last) {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.scalar_type() == torch::kFloat32, "x must be [N, hidden] fp32");
     TORCH_CHECK(static_cast<int64_t>(layers.size()) == static_cast<int64_t>(kc.size()), "runner: layers != cache");
+    const int64_t nl = static_cast<int64_t>(layers.size());
+    if (last < 0) last = nl;
+    TORCH_CHECK(0 <= first && first <= last && last <= nl, "runner: layer range [", first, ", ", last,
+                ") outside [0, ", nl, "]");
     py::gil_scoped_release nogil;
     x = x.contiguous().clone();
     const int64_t N = x.size(0);
@@ -764,7 +771,7 @@ class Runner {
                   "fused runner: position or slot out of range");
     auto h = torch::empty({N, H}, x.options());
     auto att = torch::empty({N, nh * hd}, x.options());
-    for (size_t li = 0; li < layers.size(); li++) {
+    for (int64_t li = first; li < last; li++) {
       const Layer& L = layers[li];
       float* xp = x.data_ptr<float>();
       rms_norm_rows(xp, L.in_norm.data_ptr<float>(), h.data_ptr<float>(), N, H, eps);
@@ -780,6 +787,8 @@ class Runner {
     }
     return x;
   }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
  private:
   int64_t H, nh, nkv, hd, inter;
@@ -926,5 +935,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
       .def("add_layer", &Runner::add_layer)
-      .def("forward", &Runner::forward);
+      .def("forward", &Runner::forward, py::arg("x"), py::arg("slots"), py::arg("pos"), py::arg("first") = 0,
+           py::arg("last") = -1)
+      .def("num_layers", [](const Runner& r) { return r.num_layers(); });
 }
