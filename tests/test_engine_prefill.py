@@ -229,9 +229,11 @@ def test_a_request_arriving_during_a_verify_streams_before_that_verify_ends(eng,
     (`ragged_forward(between=...)`, on the fused step): its first token waits for a piece of the verify, not for
     all of it. The verify's rows compute the same bits in pieces, so both outputs stay the target's, and the
     verify's time that adaptive K learns from leaves the newcomer's prefill out."""
+    from specbuild.engines.embedded import model as model_mod
     from specbuild.engines.embedded.step import decode_step_of
 
     assert decode_step_of(eng.scorer.model, eng.scorer.cache) == "fused"    # the pieces need the fused step
+    monkeypatch.setattr(model_mod, "PIECES_MIN_BYTES", 0)                   # a tiny model runs whole otherwise
     ev = Events(eng, monkeypatch)
     sched = eng.scheduler
     a = eng.submit(PROMPTS[1], GREEDY, num_draft_tokens=4, on_output=ev.on_output)

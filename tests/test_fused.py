@@ -189,16 +189,20 @@ def test_fused_rows_do_not_depend_on_who_shares_the_batch(tiny_llama):
 
 
 @needs_ext
-def test_a_forward_in_pieces_with_another_prefill_between_gives_the_same_bits(tiny_llama):
+def test_a_forward_in_pieces_with_another_prefill_between_gives_the_same_bits(tiny_llama, monkeypatch):
     """`ragged_forward(between=...)` runs the layers in pieces and calls `between` after each (the scheduler
     prefills a newcomer there, into another slot of the same cache): the rows and the cache they write are
     bitwise those of one whole forward, and so is the newcomer's prefill. A layer range out of bounds is
-    refused."""
-    from specbuild.engines.embedded.model import PIECES
+    refused. A model whose step streams less than PIECES_MIN_BYTES runs whole (`between` is never called)."""
+    from specbuild.engines.embedded import model as model_mod
     from specbuild.engines.embedded.step import pack_linears_, runner_for
 
     model = load_model(tiny_llama, dtype="float32")
     pack_linears_(model)
+    small = _cache(model, "fused")
+    assert model.step_bytes() < model_mod.PIECES_MIN_BYTES
+    ragged_forward(model, small, [0], [0], [[5, 6]], "all", between=lambda: pytest.fail("a small model in pieces"))
+    monkeypatch.setattr(model_mod, "PIECES_MIN_BYTES", 0)
     a, b = _cache(model, "fused"), _cache(model, "fused")
     ctx, rows, newcomer = [5, 6, 7, 8], [[9, 10, 11], [12, 13]], [14, 15, 16, 17, 18]
     for c in (a, b):
@@ -213,7 +217,7 @@ def test_a_forward_in_pieces_with_another_prefill_between_gives_the_same_bits(ti
             seen.append(ragged_forward(model, b, [2], [0], [newcomer], "all"))
 
     pieces = ragged_forward(model, b, [0, 1], [4, 2], rows, "all", between=between)
-    assert len(calls) == PIECES and torch.equal(pieces, whole) and torch.equal(seen[0], alone)
+    assert len(calls) == model_mod.PIECES and torch.equal(pieces, whole) and torch.equal(seen[0], alone)
     for ka, kb in zip(a.k + a.v, b.k + b.v):
         assert torch.equal(ka, kb)
     runner = runner_for(model, a)

@@ -243,9 +243,9 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
     has a runner for this model (fused.py: ragged, no padding), else one padded eager forward.
 
     logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None.
-    between: on the fused step, the layers run in PIECES pieces and `between()` is called after each (the last
-    one before the lm_head): the scheduler prefills a request that arrived during a verify there, so its first
-    token does not wait for the whole verify. It may run other forwards over other slots of the same cache; the
+    between: on the fused step, and for a model whose step streams PIECES_MIN_BYTES or more, the layers run in
+    PIECES pieces and `between()` is called after each (the last one before the lm_head): the scheduler
+    prefills a request that arrived during a verify there, so its first token does not wait for the whole verify. It may run other forwards over other slots of the same cache; the
     rows here compute the same bits either way.
     """
     from specbuild.engines.embedded.step import runner_for
@@ -277,7 +277,17 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
     return None if logits == "none" else out
 
 
-PIECES = 3      # a forward with a `between` hook runs its layers in this many pieces (ragged_forward)
+PIECES = 3      # a forward with a `between` hook runs its layers in this many pieces (ragged_forward) ...
+PIECES_MIN_BYTES = 64 << 20     # ... when a step of the model streams this many bytes: a third of it reads >= 21 MB,
+# far longer than the GIL hand-over a piece adds (up to the 0.5 ms switch interval while other threads run Python);
+# a smaller model's step runs whole (the soak's tiny models: a step of a few hundred microseconds)
+
+
+def _in_pieces(model: Transformer) -> bool:
+    size = getattr(model, "_step_bytes_memo", None)
+    if size is None:
+        size = model._step_bytes_memo = model.step_bytes()
+    return size >= PIECES_MIN_BYTES
 
 
 def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str, device, between=None):
@@ -285,7 +295,7 @@ def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str,
     slot = torch.tensor([s for s, r in zip(slots, rows) for _ in r], dtype=torch.long)
     pos = torch.tensor([p0 + i for p0, r in zip(starts, rows) for i in range(len(r))], dtype=torch.long)
     h = model.embed(torch.tensor(flat, dtype=torch.long, device=device))
-    if between is None:
+    if between is None or not _in_pieces(model):
         h = runner.forward(h, slot, pos)
     else:
         n = runner.num_layers()
