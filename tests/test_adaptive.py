@@ -365,6 +365,30 @@ def test_online_costs_price_k_with_what_the_steps_measured():
     assert oc.snapshot()[1]["plain_ms"] == pytest.approx(40.0)
 
 
+def test_slow_verifies_at_a_k_no_longer_chosen_age_out_so_probes_can_turn_drafting_back_on():
+    """A cold start's slow verifies at K 4 priced drafting out (K = 0). At K = 0 only K = 1 probes run, so K 4 is
+    never measured again: without aging, its old median keeps the fitted verify line steep and adaptive K stays at
+    0 although every probe is accepted and cheap (the demo's first 1-user policy cell drafted only probes)."""
+    from specbuild.engines.embedded.adaptive import OnlineCosts
+
+    base = cost_models(CALIBRATION)["draft"]
+    oc = OnlineCosts(min_samples=3, stale_after=20)
+    for _ in range(3):
+        oc.observe(1, 4, 4, t_propose=4 * 0.012, t_score=0.200)     # cold: a verify of 5 at 5x a plain step
+    for _ in range(3):
+        oc.observe(1, 0, 0, t_propose=0.0, t_score=0.040)
+    assert choose_k(0.9, oc.model(1, base), 8) == 0                  # priced out, as measured
+    for _ in range(5):                                               # probes: K 1, verify 44 ms, draft 12 ms
+        oc.observe(1, 1, 1, t_propose=0.012, t_score=0.044)
+        for _ in range(3):
+            oc.observe(1, 0, 0, t_propose=0.0, t_score=0.040)
+    m = oc.model(1, base)                                            # 20 steps on: K 4's verifies are stale
+    assert 4 not in oc.fresh_verify_keys(1) and oc.fresh_verify_keys(1) == [1]
+    assert m.source == "online" and m.verify_overhead(1) == pytest.approx(0.1)
+    assert choose_k(0.9, m, 8) > 0                                   # drafting is back on
+    assert oc.verify_keys(1) == [1, 4]                               # kept (a fresh K 4 verify counts again)
+
+
 def test_a_draft_that_is_slow_here_is_turned_off_by_measured_costs(tiny_llama, monkeypatch):
     """The calibration (absent here: c 0.3 by default) says drafting pays; the draft is made 20 ms slower per
     step than it was measured. With online costs adaptive K sees it and drafts (almost) nothing after the

@@ -244,14 +244,18 @@ class OnlineCosts:
     fitted as a line like the calibration's). Until `min_samples` plain and drafting steps were seen at n, it
     returns `base` (the calibration). While sequences keep drafting, every `explore_every`-th step at n is run
     plain (`wants_plain`) so the baseline stays measured: speculation is judged against what off costs now.
+    A K not verified in the last `stale_after` steps at n leaves the fit (`fresh_verify_keys`).
     """
 
-    def __init__(self, *, window: int = 15, min_samples: int = 3, explore_every: int = 16):
+    def __init__(self, *, window: int = 15, min_samples: int = 3, explore_every: int = 16, stale_after: int = 64):
         self.window, self.min_samples, self.explore_every = window, min_samples, explore_every
+        self.stale_after = stale_after
         self.plain: dict[int, deque] = {}
         self.draft_step: dict[int, deque] = {}
         self.verify: dict[tuple[int, int], deque] = {}
         self._since_plain: dict[int, int] = {}
+        self._steps: dict[int, int] = {}                   # n -> steps observed at n
+        self._verify_seen: dict[tuple[int, int], int] = {}  # (n, K) -> the step at n that last verified K
 
     def _add(self, table: dict, key, value: float) -> None:
         table.setdefault(key, deque(maxlen=self.window)).append(value)
@@ -259,12 +263,14 @@ class OnlineCosts:
     def observe(self, n: int, max_k: int, draft_steps: int, t_propose: float, t_score: float) -> None:
         if n <= 0 or t_score <= 0:
             return
+        self._steps[n] = self._steps.get(n, 0) + 1
         if max_k <= 0:
             self._add(self.plain, n, t_score)
             self._since_plain[n] = 0
             return
         self._since_plain[n] = self._since_plain.get(n, 0) + 1
         self._add(self.verify, (n, max_k), t_score)
+        self._verify_seen[(n, max_k)] = self._steps[n]
         if draft_steps > 0:
             self._add(self.draft_step, n, t_propose / draft_steps)
 
@@ -279,12 +285,21 @@ class OnlineCosts:
     def verify_keys(self, n: int) -> list[int]:
         return sorted(k for (m, k) in self.verify if m == n)
 
+    def fresh_verify_keys(self, n: int) -> list[int]:
+        """The Ks verified at n within the last `stale_after` steps at n (all of them if none is). A K that
+        adaptive K stopped choosing is never measured again: a few slow verifies at it (a cold start, a noisy
+        minute) would otherwise price it for good, and at K = 0 the probes (K = 1) could not move that price."""
+        keys = self.verify_keys(n)
+        now = self._steps.get(n, 0)
+        fresh = [k for k in keys if now - self._verify_seen.get((n, k), 0) < self.stale_after]
+        return fresh or keys
+
     def model(self, n: int, base: CostModel) -> CostModel:
         plain = self.plain.get(n)
         if plain is None or len(plain) < self.min_samples:
             return base
         t_plain = statistics.median(plain)
-        t_verify = {k: statistics.median(self.verify[(n, k)]) for k in self.verify_keys(n)}
+        t_verify = {k: statistics.median(self.verify[(n, k)]) for k in self.fresh_verify_keys(n)}
         if not t_verify or sum(len(self.verify[(n, k)]) for k in t_verify) < self.min_samples:
             return base
         a, b = fit_verify_curve(t_plain, t_verify)
