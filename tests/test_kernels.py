@@ -47,7 +47,7 @@ def _linear(n_out, n_in, bias, seed):
 def test_tiled_linear_computes_what_linear_computes(bias):
     lin, gen = _linear(83, 96, bias, 11)                   # 83 outputs: full weight tiles and a remainder
     tiled = TiledLinear(lin, fused.extension())
-    for shape in [(1, 96), (2, 96), (3, 96), (7, 96), (2, 5, 96), (129, 96), (300, 96)]:   # every tile shape
+    for shape in [(1, 96), (2, 96), (3, 96), (7, 96), (8, 96), (9, 96), (2, 5, 96), (129, 96), (300, 96)]:   # every tile
         x = torch.randn(*shape, generator=gen)
         torch.testing.assert_close(tiled(x), lin(x), rtol=1e-4, atol=1e-4)
     x = torch.randn(3, 6, 96, generator=gen)[:, 1:4]          # a non-contiguous view, as a split produces
@@ -68,15 +68,16 @@ def test_tiled_outputs_are_one_fma_chain_in_input_order():
     gen = torch.Generator().manual_seed(5)
     n, k = 40, 64
     w = torch.randint(-8, 8, (n, k), generator=gen).float() / 4
-    x = torch.randint(-8, 8, (3, k), generator=gen).float() / 8
-    x[:, -1] = torch.tensor([1e-3, 3.3e-4, 7e-5])              # a last term far below the sum's ulp: rounds in order
+    rows = 8                                                  # one 8-row tile on AVX-512, 6 + 2 on AVX2
+    x = torch.randint(-8, 8, (rows, k), generator=gen).float() / 8
+    x[:, -1] = torch.tensor([1e-3, 3.3e-4, 7e-5, 2e-3, 5e-4, 9e-5, 1.7e-3, 4.4e-4])   # far below the sum's ulp
     w[:, -1] = 1.0
     lin = nn.Linear(k, n, bias=False)
     with torch.no_grad():
         lin.weight.copy_(w)
     got = TiledLinear(lin, fused.extension())(x)
     xs, ws = x.numpy(), w.numpy()
-    want = np.zeros((3, n), dtype=np.float32)
+    want = np.zeros((rows, n), dtype=np.float32)
     for i in range(k):                                        # in order: each step's sum rounded to fp32
         want = (want + xs[:, i:i + 1] * ws[:, i][None, :]).astype(np.float32)
     assert np.array_equal(got.numpy(), want)
@@ -84,14 +85,14 @@ def test_tiled_outputs_are_one_fma_chain_in_input_order():
 
 @needs_ext
 def test_tiled_rows_do_not_depend_on_the_other_rows_at_any_row_count():
-    """Batch invariance at the kernel for every tile shape (1-6 row tiles, every panel remainder): row i of an
+    """Batch invariance at the kernel for every tile shape (1-8 row tiles, every panel remainder): row i of an
     m-row call is bitwise row i computed alone, at any row count (a prefill chunk of 300 rows too)."""
     lin, gen = _linear(1001, 576, True, 12)
     tiled = TiledLinear(lin, fused.extension())
     limit = 300
     x = torch.randn(limit, 576, generator=gen)
     alone = torch.cat([tiled(x[i:i + 1]) for i in range(limit)])
-    for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 72, 129, limit):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 72, 129, limit):
         assert torch.equal(tiled(x[:m]), alone[:m]), m
 
 
