@@ -34,6 +34,25 @@ def test_greedy_early_mismatch_emits_recovered_target_token():
     assert first.output_token_ids == [5] and first.num_accepted == 0
 
 
+def test_stacked_logits_are_a_view_when_back_to_back_and_a_copy_otherwise():
+    from specbuild.engines.embedded.acceptor import stacked
+    base = torch.randn(7, 11)
+    pieces = [base[0:3], base[3:4], base[4:7]]               # the scorer's slices of its one logits tensor
+    view = stacked(pieces)
+    assert torch.equal(view, base) and view.data_ptr() == base.data_ptr()
+    base[5, 2] = 100.0                                       # a view: no copy was made
+    assert view[5, 2] == 100.0
+    assert torch.equal(stacked(pieces[1:]), base[3:7])
+    apart = [base[0:2], base[4:7]]                           # a gap (a sampling sequence between two greedy ones)
+    assert torch.equal(stacked(apart), torch.cat(apart)) and stacked(apart).data_ptr() != base.data_ptr()
+    swapped = [base[3:4], base[0:3]]
+    assert torch.equal(stacked(swapped), torch.cat(swapped))
+    cloned = [base[0:3], base[3:4].clone(), base[4:7]]       # suppress_stop_ids clones its sequence's rows
+    assert torch.equal(stacked(cloned), base)
+    base[0, 0] = -5.0
+    assert stacked(cloned)[0, 0] == -5.0 and stacked(cloned).data_ptr() != base.data_ptr()
+
+
 def test_greedy_k0_is_plain_decoding():
     a = greedy_accept([], [42])
     assert a.output_token_ids == [42] and a.num_accepted == 0 and a.padded() == [42]

@@ -112,7 +112,7 @@ def accept_batch(seqs, proposals, logits, rule: str = EXACT) -> list[Accepted]:
     results: list[Accepted | None] = [None] * len(seqs)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     if greedy:
-        argmax = torch.cat([logits[i] for i in greedy]).argmax(-1).tolist()    # one device sync
+        argmax = stacked([logits[i] for i in greedy]).argmax(-1).tolist()      # one device sync
         o = 0
         for i in greedy:
             n = logits[i].shape[0]
@@ -124,6 +124,24 @@ def accept_batch(seqs, proposals, logits, rule: str = EXACT) -> list[Accepted]:
             d = torch.tensor(proposals[i].token_ids, dtype=torch.long, device=p.device)
             results[i] = rejection_accept(d, proposals[i].probs, p, s.generator)
     return results
+
+
+def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The [R_i, V] tensors as one [sum R_i, V]: a view when they lie back to back in one storage (the scorer's
+    slices of its one logits tensor, in order), else a copy. The copy was 0.75 ms of a 29 ms step at 8 decode rows
+    (8 x 49152 fp32 logits; and a batch-1 verify of K 6 copied its 7 rows for one argmax)."""
+    first = rows[0]
+    if len(rows) == 1:
+        return first
+    step = first.shape[-1]
+    ptr = first.data_ptr()
+    for t in rows:
+        if (t.dim() != 2 or t.shape[-1] != step or not t.is_contiguous() or t.dtype != first.dtype
+                or t.device != first.device or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.data_ptr() != ptr):
+            return torch.cat(rows)
+        ptr += t.numel() * t.element_size()
+    return first.as_strided((sum(t.shape[0] for t in rows), step), (step, 1))
 
 
 def _accept_unsafe(s, proposal, logits) -> Accepted:
