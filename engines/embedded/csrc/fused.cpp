@@ -557,41 +557,35 @@ inline void panel_rows(const float* x, int64_t K, const float* P, int64_t p0, in
     panel_tile<MR, 1>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
 }
 
+// one row tile of mr rows against panels p0..p1
+inline void row_tile(int64_t mr, const float* x, int64_t K, const float* P, int64_t p0, int64_t p1, float* y,
+                     int64_t N) {
+  switch (mr) {
+    case 1: panel_rows<1>(x, K, P, p0, p1, y, N); break;
+    case 2: panel_rows<2>(x, K, P, p0, p1, y, N); break;
+    case 3: panel_rows<3>(x, K, P, p0, p1, y, N); break;
+    case 4: panel_rows<4>(x, K, P, p0, p1, y, N); break;
+    case 5: panel_rows<5>(x, K, P, p0, p1, y, N); break;
+    case 6: panel_rows<6>(x, K, P, p0, p1, y, N); break;
+#ifdef SPECBUILD_AVX512
+    case 7: panel_rows<7>(x, K, P, p0, p1, y, N); break;
+    case 8: panel_rows<8>(x, K, P, p0, p1, y, N); break;
+#endif
+    default: break;
+  }
+}
+
 void tiled_gemm(const float* x, int64_t M, int64_t K, const float* P, const float* bias, float* y, int64_t N) {
   const int64_t npan = (N + PANEL - 1) / PANEL;
+  const bool one_tile = M <= SINGLE_TILE_ROWS;             // one row tile: the thread's share in one walk
   parallel_for(0, npan, PANEL_CHUNK, [&](int64_t a, int64_t b) {
-    if (M <= SINGLE_TILE_ROWS) {                                // one row tile: the share in one walk
-      switch (M) {
-        case 1: panel_rows<1>(x, K, P, a, b, y, N); break;
-        case 2: panel_rows<2>(x, K, P, a, b, y, N); break;
-        case 3: panel_rows<3>(x, K, P, a, b, y, N); break;
-        case 4: panel_rows<4>(x, K, P, a, b, y, N); break;
-        case 5: panel_rows<5>(x, K, P, a, b, y, N); break;
-        case 6: panel_rows<6>(x, K, P, a, b, y, N); break;
-#ifdef SPECBUILD_AVX512
-        case 7: panel_rows<7>(x, K, P, a, b, y, N); break;
-        case 8: panel_rows<8>(x, K, P, a, b, y, N); break;
-#endif
-        default: break;
-      }
-      if (bias)
-        for (int64_t rr = 0; rr < M; rr++)
-          for (int64_t n = a * PANEL; n < std::min(N, b * PANEL); n++) y[rr * N + n] += bias[n];
-      return;
-    }
-    for (int64_t c0 = a; c0 < b; c0 += PANEL_CHUNK) {
-      const int64_t c1 = std::min(b, c0 + PANEL_CHUNK);
-      int64_t r = 0;
-      for (; r + TILE_ROWS <= M; r += TILE_ROWS) panel_rows<TILE_ROWS>(x + r * K, K, P, c0, c1, y + r * N, N);
-      const float* xr = x + r * K;
-      float* yr = y + r * N;
-      switch (M - r) {
-        case 1: panel_rows<1>(xr, K, P, c0, c1, yr, N); break;
-        case 2: panel_rows<2>(xr, K, P, c0, c1, yr, N); break;
-        case 3: panel_rows<3>(xr, K, P, c0, c1, yr, N); break;
-        case 4: panel_rows<4>(xr, K, P, c0, c1, yr, N); break;
-        case 5: panel_rows<5>(xr, K, P, c0, c1, yr, N); break;
-        default: break;
+    const int64_t chunk = one_tile ? b - a : PANEL_CHUNK;
+    for (int64_t c0 = a; c0 < b; c0 += chunk) {
+      const int64_t c1 = std::min(b, c0 + chunk);
+      for (int64_t r = 0; r < M;) {
+        const int64_t mr = one_tile ? M : std::min<int64_t>(TILE_ROWS, M - r);
+        row_tile(mr, x + r * K, K, P, c0, c1, y + r * N, N);
+        r += mr;
       }
       if (bias) {
         const int64_t n0 = c0 * PANEL, n1 = std::min(N, c1 * PANEL);
