@@ -6,7 +6,8 @@ Measured in one process, in this order (medians over --runs runs x 3 prompts: ch
   hf_assisted           the same with `assistant_model` = the int4 self-draft (the same BlockLinear modules)
   engine off / draft / ngram   the embedded engine built by `specbuild build --draft-quantize int4` (the target's
                         own Q4_1 / Q8_0 blocks as the draft; the fused decode step where it is built)
-  throughput            1, 2, 4, 8 concurrent sequences, speculation off / draft / n-gram
+  throughput            1, 2, 4, 8 concurrent sequences, speculation off / draft (K --k, forced) / policy (the
+                        build's: adaptive K with the draft, plain above its cut-off) / n-gram
 Writes --out (JSON) and prints a table. The box is shared: the load average before and after is recorded;
 read every figure as "on this machine, at this load".
 
@@ -30,6 +31,7 @@ from specbuild.pipeline.build import build
 from specbuild.pipeline.convert import convert
 from specbuild.engines.embedded import Engine, EngineConfig, SamplingParams
 from specbuild.engines.embedded.adaptive import expected_tokens
+from specbuild.engines.embedded.config import ADAPTIVE_K
 from specbuild.engines.embedded.calibrate import estimate_alpha, forward_probe, time_interleaved
 from specbuild.engines.embedded import fused
 from specbuild.engines.embedded.quant import quantize_model_
@@ -162,7 +164,7 @@ def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_n
     per-position acceptance)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     pool = list(ids.values())
-    modes = {"off": (0, None), "draft": (k, "draft"), "ngram": (k_ngram, "ngram")}
+    modes = {"off": (0, None), "draft": (k, "draft"), "policy": (ADAPTIVE_K, "draft"), "ngram": (k_ngram, "ngram")}
     samples: dict = {m: {n: [] for n in BATCHES} for m in modes}
     decode: dict = {m: {n: [] for n in BATCHES} for m in modes}
     acc: dict = {n: ([], []) for n in BATCHES}
@@ -191,6 +193,7 @@ def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_n
                   "draft_decode_speedup": median([d / o for d, o in zip(decode["draft"][n], decode["off"][n])
                                                   if d and o]),
                   "draft_speedup": median([d / o for d, o in zip(samples["draft"][n], samples["off"][n])]),
+                  "policy_speedup": median([d / o for d, o in zip(samples["policy"][n], samples["off"][n])]),
                   "off_vs_x1": median([a / b for a, b in zip(samples["off"][n], samples["off"][1])]),
                   "off_decode_vs_x1": median([a / b for a, b in zip(decode["off"][n], decode["off"][1])
                                               if a and b]),
@@ -372,6 +375,10 @@ def print_table(r: dict) -> None:
     print("  throughput tok/s   " + "  ".join(f"x{n}" .rjust(8) for n in (1, 2, 4, 8)))
     for mode, row in thr.items():
         print(f"    {mode:<16}" + "  ".join(f"{row[n]:8.2f}" for n in (1, 2, 4, 8)))
+    det = r["throughput_detail"]
+    for key, name in (("draft_speedup", f"draft K {r['k']} / off"), ("policy_speedup", "policy / off")):
+        print(f"    {name:<16}" + "  ".join(f"{det[n][key]:7.2f}x" for n in (1, 2, 4, 8))
+              + "   (median of per-run ratios)")
     eff = r["spec_efficiency_by_concurrency"]
     print("  spec efficiency    " + "  ".join(f"{(eff[n]['efficiency'] or 0):8.2f}" for n in (1, 2, 4, 8))
           + "   (measured decode speedup / predicted from alpha, c(n), verify(n))")
