@@ -966,18 +966,19 @@ class Runner {
         const float* q = qb + r * width + h * hd;
         const float* kr = kp + ((sl[r] * nkv + kvh) * S) * hd;
         const float* vr = vp + ((sl[r] * nkv + kvh) * S) * hd;
-        // scores 8 positions at a time (dot8x8: the same bits as one by one), this unit's K and V rows
-        // ATT_PREFETCH positions ahead fetched into L2 meanwhile (the other heads of the kv head then hit it)
+        // scores 8 positions at a time (dot8x8: the same bits as one by one); the kv group's first head fetches
+        // its K and V rows ATT_PREFETCH positions ahead into L2 meanwhile
         __m256 mxv8 = _mm256_set1_ps(-INFINITY);
         const __m256 scale8 = _mm256_set1_ps(scale);
         int64_t p0 = 0;
         for (; p0 + 8 <= n; p0 += 8) {
           const float* kf = kr + (p0 + ATT_PREFETCH) * hd;
           const float* vf = vr + (p0 + ATT_PREFETCH) * hd;
-          for (int64_t i = 0; i < 8 * hd; i += 16) {      // one 64-byte line each (prefetches never fault)
-            _mm_prefetch(reinterpret_cast<const char*>(kf + i), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(vf + i), _MM_HINT_T1);
-          }
+          if (h % group == 0)                               // the group's other heads find them in L2
+            for (int64_t i = 0; i < 8 * hd; i += 16) {      // one 64-byte line each (prefetches never fault)
+              _mm_prefetch(reinterpret_cast<const char*>(kf + i), _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(vf + i), _MM_HINT_T1);
+            }
           const __m256 s8 = _mm256_mul_ps(dot8x8(q, kr + p0 * hd, hd, hd), scale8);
           _mm256_storeu_ps(sc.data() + p0, s8);
           mxv8 = _mm256_max_ps(mxv8, s8);
