@@ -47,7 +47,8 @@ def _linear(n_out, n_in, bias, seed):
 def test_tiled_linear_computes_what_linear_computes(bias):
     lin, gen = _linear(83, 96, bias, 11)                   # 83 outputs: full weight tiles and a remainder
     tiled = TiledLinear(lin, fused.extension())
-    for shape in [(1, 96), (2, 96), (3, 96), (7, 96), (8, 96), (9, 96), (2, 5, 96), (129, 96), (300, 96)]:   # every tile
+    for shape in [(1, 96), (2, 96), (3, 96), (7, 96), (8, 96), (9, 96), (12, 96), (13, 96), (2, 5, 96), (129, 96),
+                  (300, 96)]:                                                              # every tile
         x = torch.randn(*shape, generator=gen)
         torch.testing.assert_close(tiled(x), lin(x), rtol=1e-4, atol=1e-4)
     x = torch.randn(3, 6, 96, generator=gen)[:, 1:4]          # a non-contiguous view, as a split produces
@@ -57,7 +58,8 @@ def test_tiled_linear_computes_what_linear_computes(bias):
 
 
 @needs_ext
-def test_tiled_outputs_are_one_fma_chain_in_input_order():
+@pytest.mark.parametrize("rows", [8, 12])        # AVX-512: one 8 x 3 and one 12 x 2 tile; AVX2: 6 + 2, 6 + 6
+def test_tiled_outputs_are_one_fma_chain_in_input_order(rows):
     """Every output is fma(x[K-1], w[K-1], ... fma(x[0], w[0], 0)) in fp32: what makes a row's result independent
     of the tile, the row count and the vector width (AVX2 and AVX-512 builds agree bitwise). Written out in numpy:
     np.float32 products and sums round as fma does only where x * w is exact, so the inputs are small integers
@@ -68,9 +70,9 @@ def test_tiled_outputs_are_one_fma_chain_in_input_order():
     gen = torch.Generator().manual_seed(5)
     n, k = 40, 64
     w = torch.randint(-8, 8, (n, k), generator=gen).float() / 4
-    rows = 8                                                  # one 8-row tile on AVX-512, 6 + 2 on AVX2
     x = torch.randint(-8, 8, (rows, k), generator=gen).float() / 8
-    x[:, -1] = torch.tensor([1e-3, 3.3e-4, 7e-5, 2e-3, 5e-4, 9e-5, 1.7e-3, 4.4e-4])   # far below the sum's ulp
+    x[:, -1] = torch.tensor([1e-3, 3.3e-4, 7e-5, 2e-3, 5e-4, 9e-5, 1.7e-3, 4.4e-4, 6e-4, 2.2e-4, 8e-5, 1.1e-3])[:rows]
+    # (the last column: far below the sum's ulp)
     w[:, -1] = 1.0
     lin = nn.Linear(k, n, bias=False)
     with torch.no_grad():
@@ -85,14 +87,14 @@ def test_tiled_outputs_are_one_fma_chain_in_input_order():
 
 @needs_ext
 def test_tiled_rows_do_not_depend_on_the_other_rows_at_any_row_count():
-    """Batch invariance at the kernel for every tile shape (1-8 row tiles, every panel remainder): row i of an
+    """Batch invariance at the kernel for every tile shape (1-12 row tiles, every panel remainder): row i of an
     m-row call is bitwise row i computed alone, at any row count (a prefill chunk of 300 rows too)."""
     lin, gen = _linear(1001, 576, True, 12)
     tiled = TiledLinear(lin, fused.extension())
     limit = 300
     x = torch.randn(limit, 576, generator=gen)
     alone = torch.cat([tiled(x[i:i + 1]) for i in range(limit)])
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 72, 129, limit):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 72, 129, limit):
         assert torch.equal(tiled(x[:m]), alone[:m]), m
 
 

@@ -97,9 +97,9 @@ class TiledLinear(nn.Module):
     batch-invariant at any row count (a prefill chunk too), and AVX2 and AVX-512 builds compute the same bits.
 
     Why: a weight is read from memory once per call at any row count, and a verify of K + 1 positions (or several
-    sequences' rows) reuses it from cache in outer-product tiles of up to 6 rows x 64 outputs (on AVX-512, up to 8
-    rows are one tile, 7-8 x 48, that streams each weight once: 8 sequences decode 243 -> 275 tok/s on an Intel
-    Xeon). On a 2-core AMD EPYC Zen 4 (AVX-512) the panels took 0.77-0.93x the time of the dot-product kernel they replaced at 1 row and
+    sequences' rows) reuses it from cache in outer-product tiles of up to 6 rows x 64 outputs (on AVX-512, up to 12
+    rows are one tile, 7-8 x 48 or 9-12 x 32, that streams each weight once: 8 sequences decode 243 -> 275 tok/s on
+    an Intel Xeon, and a verify of 9-12 rows costs 6-9 % less than as 6 + 3-6 rows). On a 2-core AMD EPYC Zen 4 (AVX-512) the panels took 0.77-0.93x the time of the dot-product kernel they replaced at 1 row and
     0.58-0.72x at 2-36 rows (bench/README.md, "2026-12-04 afternoon"); `step.auto_linear_kernel` still measures
     this kernel against oneDNN on the machine it runs on. `ext` is the loaded extension (step.pack_linears_ passes
     it)."""

@@ -553,15 +553,18 @@ void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* q
 // per (row, output). So every output is ONE scalar chain, y = fma(x[K-1], w[K-1], ... fma(x[0], w[0], 0)), with k
 // in order, whatever the tile, the number of rows, the vector width or the thread that computes it: rows are
 // batch-invariant at any row count, and an AVX2 build gives bitwise the AVX-512 build's outputs (tested).
-// Tiles: MR rows x NV panels; AVX-512 (32 registers) 1-6 x 4 panels and 7-8 x 3 (up to 24 accumulators), AVX2 (16
-// registers, a panel is 2 vectors) 1 x 4, 2-3 x 2, 4-6 x 1. Threads split the panels. Up to SINGLE_TILE_ROWS rows
-// (8 on AVX-512, 6 on AVX2: a decode step of 8 sequences, a batch-1 verify of K 7) are one row tile, which walks
+// Tiles: MR rows x NV panels; AVX-512 (32 registers) 1-6 x 4 panels, 7-8 x 3 and 9-12 x 2 (up to 24
+// accumulators), AVX2 (16 registers, a panel is 2 vectors) 1 x 4, 2-3 x 2, 4-6 x 1. Threads split the panels. Up
+// to SINGLE_TILE_ROWS rows (12 on AVX-512, 6 on AVX2: a decode step of 8 sequences, a batch-1 verify of K 11, 2
+// sequences' of K 5, 4 sequences' of K 2) are one row tile, which walks
 // its thread's whole share once: every weight is streamed from memory once, into all the rows. More rows walk
 // the share in chunks of 4 panels (37-98 KB of weights at K 576-1536) in 6-row tiles, every row tile of a chunk
 // reading it from L1/L2 after the first: a weight is read from memory once per call at any row count.
 // 8 rows as one 8 x 3 tile instead of a 6 x 4 and a 2 x 4 one (which re-read each chunk from cache): the layers'
 // linears of a 30-layer 576-wide model 19.96 -> 17.29 ms at 8 rows, 19.50 -> 16.92 at 7, on an Intel Xeon with
 // AVX-512 (2 threads, 30 distinct weights streamed, median of 9 interleaved; bench/README.md, "2026-12-06").
+// 9-12 rows as one x 2 tile instead of 6 + 3-6 rows: the same 18.36 -> 17.27 ms at 9 rows, 18.81 -> 17.57 at 10,
+// 19.80 -> 17.97 at 12 (16 rows and more: no change as 8 + 8; bench/README.md, "2026-12-06 morning").
 // Against the dot-product kernel this replaced (4 x 12 weight rows, one 8-lane chain per output + a horizontal
 // sum) and oneDNN, AMD EPYC Zen 4 (AVX-512), 2 threads, 30 distinct weights streamed, µs per call, median of 7
 // interleaved: 0.77-0.93x the old kernel's time at 1 row, 0.58-0.85x at 2, 0.61-0.72x at 36 (the lm_head at 36
@@ -577,8 +580,8 @@ constexpr int64_t PANEL_PREFETCH = 32;
 
 constexpr int PV_PER_PANEL = PANEL / VW;  // vectors a panel's 16 weights at one k take (AVX-512: 1, AVX2: 2)
 #ifdef SPECBUILD_AVX512
-template <int MR> constexpr int panels_per_tile() { return MR <= 6 ? 4 : 3; }
-constexpr int SINGLE_TILE_ROWS = 8;
+template <int MR> constexpr int panels_per_tile() { return MR <= 6 ? 4 : MR <= 8 ? 3 : 2; }
+constexpr int SINGLE_TILE_ROWS = 12;
 #else
 template <int MR> constexpr int panels_per_tile() { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
 constexpr int SINGLE_TILE_ROWS = 6;
@@ -642,6 +645,10 @@ inline void row_tile(int64_t mr, const float* x, int64_t K, const float* P, int6
 #ifdef SPECBUILD_AVX512
     case 7: panel_rows<7>(x, K, P, p0, p1, y, N); break;
     case 8: panel_rows<8>(x, K, P, p0, p1, y, N); break;
+    case 9: panel_rows<9>(x, K, P, p0, p1, y, N); break;
+    case 10: panel_rows<10>(x, K, P, p0, p1, y, N); break;
+    case 11: panel_rows<11>(x, K, P, p0, p1, y, N); break;
+    case 12: panel_rows<12>(x, K, P, p0, p1, y, N); break;
 #endif
     default: break;
   }
