@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -31,6 +32,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -632,26 +634,19 @@ inline void panel_rows(const float* x, int64_t K, const float* P, int64_t p0, in
     panel_tile<MR, 1>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
 }
 
-// one row tile of mr rows against panels p0..p1
+// one row tile of mr rows (1..SINGLE_TILE_ROWS) against panels p0..p1: panel_rows<mr>, from a table made from
+// SINGLE_TILE_ROWS itself, so every tile size the paths above can ask for has its kernel
+using RowTileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+template <int... I>
+constexpr std::array<RowTileFn, sizeof...(I)> row_tile_table(std::integer_sequence<int, I...>) {
+  return {&panel_rows<I + 1>...};
+}
+constexpr auto ROW_TILES = row_tile_table(std::make_integer_sequence<int, SINGLE_TILE_ROWS>());
+static_assert(TILE_ROWS <= SINGLE_TILE_ROWS, "the chunked path's tiles need kernels too");
+
 inline void row_tile(int64_t mr, const float* x, int64_t K, const float* P, int64_t p0, int64_t p1, float* y,
                      int64_t N) {
-  switch (mr) {
-    case 1: panel_rows<1>(x, K, P, p0, p1, y, N); break;
-    case 2: panel_rows<2>(x, K, P, p0, p1, y, N); break;
-    case 3: panel_rows<3>(x, K, P, p0, p1, y, N); break;
-    case 4: panel_rows<4>(x, K, P, p0, p1, y, N); break;
-    case 5: panel_rows<5>(x, K, P, p0, p1, y, N); break;
-    case 6: panel_rows<6>(x, K, P, p0, p1, y, N); break;
-#ifdef SPECBUILD_AVX512
-    case 7: panel_rows<7>(x, K, P, p0, p1, y, N); break;
-    case 8: panel_rows<8>(x, K, P, p0, p1, y, N); break;
-    case 9: panel_rows<9>(x, K, P, p0, p1, y, N); break;
-    case 10: panel_rows<10>(x, K, P, p0, p1, y, N); break;
-    case 11: panel_rows<11>(x, K, P, p0, p1, y, N); break;
-    case 12: panel_rows<12>(x, K, P, p0, p1, y, N); break;
-#endif
-    default: break;
-  }
+  ROW_TILES[mr - 1](x, K, P, p0, p1, y, N);
 }
 
 void tiled_gemm(const float* x, int64_t M, int64_t K, const float* P, const float* bias, float* y, int64_t N) {
@@ -838,9 +833,10 @@ struct Layer {
 // Attention's split: units of (row, head) over the threads once a step scores more than ATT_SERIAL_WORK
 // (positions x heads; the pool's workers spin, so a fork costs ~1 us, ~60 positions' scores). At 2048 a 1-row
 // step at context 200 (1809) ran its 30 layers' attention on one thread: an int4 draft step 6.94 -> 6.29 ms on an
-// Intel Xeon (2 threads) with 256. ATT_PREFETCH: how many positions ahead of the scores a unit prefetches its K and
-// V rows into L2 (32 = 8 KB at head_dim 64); with the 8-at-a-time scores, the same draft step at 8 rows and context
-// 200 16.85 -> 15.94 ms, at 4 rows 11.07 -> 10.48 (median of 15 interleaved; bench/README.md "2026-12-06 early").
+// Intel Xeon (2 threads) with 256. ATT_PREFETCH: how many positions ahead of its scores a kv group's first head
+// prefetches the K and V rows into L2 (32 = 8 KB at head_dim 64); with the 8-at-a-time scores, the same draft step
+// at 8 rows and context 200 16.85 -> 15.94 ms, at 4 rows 11.07 -> 10.48 (median of 15 interleaved; bench/README.md
+// "2026-12-06 early").
 constexpr int64_t ATT_SERIAL_WORK = 256;
 constexpr int64_t ATT_PREFETCH = 32;
 
@@ -979,13 +975,14 @@ class Runner {
         const __m256 scale8 = _mm256_set1_ps(scale);
         int64_t p0 = 0;
         for (; p0 + 8 <= n; p0 += 8) {
-          const float* kf = kr + (p0 + ATT_PREFETCH) * hd;
-          const float* vf = vr + (p0 + ATT_PREFETCH) * hd;
-          if (h % group == 0)                               // the group's other heads find them in L2
+          if (h % group == 0) {                             // the group's other heads find them in L2
+            const float* kf = kr + (p0 + ATT_PREFETCH) * hd;
+            const float* vf = vr + (p0 + ATT_PREFETCH) * hd;
             for (int64_t i = 0; i < 8 * hd; i += 16) {      // one 64-byte line each (prefetches never fault)
               _mm_prefetch(reinterpret_cast<const char*>(kf + i), _MM_HINT_T1);
               _mm_prefetch(reinterpret_cast<const char*>(vf + i), _MM_HINT_T1);
             }
+          }
           const __m256 s8 = _mm256_mul_ps(dot8x8(q, kr + p0 * hd, hd, hd), scale8);
           _mm256_storeu_ps(sc.data() + p0, s8);
           mxv8 = _mm256_max_ps(mxv8, s8);
