@@ -87,14 +87,15 @@ def test_tiled_outputs_are_one_fma_chain_in_input_order(rows):
 
 @needs_ext
 def test_tiled_rows_do_not_depend_on_the_other_rows_at_any_row_count():
-    """Batch invariance at the kernel for every tile shape (1-12 row tiles, every panel remainder): row i of an
-    m-row call is bitwise row i computed alone, at any row count (a prefill chunk of 300 rows too)."""
+    """Batch invariance at the kernel for every tile shape (1-12 row tiles, every panel remainder; past 12 rows a
+    12-row first tile and 6-row tiles, every remainder 1-6): row i of an m-row call is bitwise row i computed
+    alone, at any row count (a prefill chunk of 300 rows too)."""
     lin, gen = _linear(1001, 576, True, 12)
     tiled = TiledLinear(lin, fused.extension())
     limit = 300
     x = torch.randn(limit, 576, generator=gen)
     alone = torch.cat([tiled(x[i:i + 1]) for i in range(limit)])
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 72, 129, limit):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 18, 19, 24, 25, 72, 129, limit):
         assert torch.equal(tiled(x[:m]), alone[:m]), m
 
 

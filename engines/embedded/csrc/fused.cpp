@@ -560,8 +560,12 @@ void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* q
 // to SINGLE_TILE_ROWS rows (12 on AVX-512, 6 on AVX2: a decode step of 8 sequences, a batch-1 verify of K 11, 2
 // sequences' of K 5, 4 sequences' of K 2) are one row tile, which walks
 // its thread's whole share once: every weight is streamed from memory once, into all the rows. More rows walk
-// the share in chunks of 4 panels (37-98 KB of weights at K 576-1536) in 6-row tiles, every row tile of a chunk
-// reading it from L1/L2 after the first: a weight is read from memory once per call at any row count.
+// the share in chunks of 4 panels (147-393 KB of weights at K 576-1536): the chunk's first row tile is a
+// SINGLE_TILE_ROWS one, which streams it from memory into as many rows as it can hold (compute under the memory
+// stream), then 6-row tiles read it from L2: a weight is read from memory once per call at any row count.
+// A 12-row first tile instead of a 6-row one (the layers' linears of a 30-layer 576-wide model, Intel Xeon, 2
+// threads, medians of 7-9 interleaved, two orders): 16 rows 22.2 -> 20.3-21.0 ms, 24 rows 27.9 -> 26.1, 36 rows
+// 35.9 -> 33.3-34.5, 150 rows 112.2 -> 109.0 (bench/README.md, "2026-12-06 midday").
 // 8 rows as one 8 x 3 tile instead of a 6 x 4 and a 2 x 4 one (which re-read each chunk from cache): the layers'
 // linears of a 30-layer 576-wide model 19.96 -> 17.29 ms at 8 rows, 19.50 -> 16.92 at 7, on an Intel Xeon with
 // AVX-512 (2 threads, 30 distinct weights streamed, median of 9 interleaved; bench/README.md, "2026-12-06").
@@ -657,7 +661,7 @@ void tiled_gemm(const float* x, int64_t M, int64_t K, const float* P, const floa
     for (int64_t c0 = a; c0 < b; c0 += chunk) {
       const int64_t c1 = std::min(b, c0 + chunk);
       for (int64_t r = 0; r < M;) {
-        const int64_t mr = one_tile ? M : std::min<int64_t>(TILE_ROWS, M - r);
+        const int64_t mr = one_tile ? M : std::min<int64_t>(r == 0 ? SINGLE_TILE_ROWS : TILE_ROWS, M - r);
         row_tile(mr, x + r * K, K, P, c0, c1, y + r * N, N);
         r += mr;
       }
