@@ -116,7 +116,9 @@ def measure_cell(cell: CellResult, *, stream: bool, users: int, gates=None, metr
     config = {"profile": cell.profile, "setting": cell.setting, "streaming": stream, "concurrency": users,
               **(input_config or {})}
     data = RunData(
-        values={"ttft_ms": [s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None],
+        values={"request_key": request_keys(cell.samples, ok),
+                "ttft_ms_per_request": [s.get("ttft_ms") for s in ok],
+                "ttft_ms": [s["ttft_ms"] for s in ok if s.get("ttft_ms") is not None],
                 "itl_ms": [g for s in ok for g in s.get("itl_ms", [])], "e2e_ms": [s["e2e_ms"] for s in ok],
                 "tokens": [s["tokens"] for s in ok], "tpot_ms": [s.get("tpot_ms") for s in ok]},
         genai_perf=export.genai_perf_export(cell.samples, stream=stream, window_s=window, input_config=config),
@@ -129,6 +131,22 @@ def measure_cell(cell: CellResult, *, stream: bool, users: int, gates=None, metr
             problems.append("no request completed")
         out["gates"] = {"passed": not problems, "violations": problems}
     return out, data
+
+
+def request_keys(samples: list[dict[str, Any]], ok: list[dict[str, Any]]) -> list[str | None]:
+    """Per request of `ok`: "<user>/<n>/<prompt>", its user's n-th request (0-based, failed ones counted, by start
+    time) and the prompt's index; None where a sample lacks its user or prompt. A user draws its prompts from its
+    own seeded stream, so two runs with the same seed send the n-th request of a user with the same prompt, in
+    both: the key pairs them (sweep.same_prompt_ttft), whatever else each run sent."""
+    order: dict[int, str] = {}
+    by_user: dict[str, list[dict[str, Any]]] = {}
+    for s in samples:
+        if s.get("user") is not None and s.get("prompt") is not None:
+            by_user.setdefault(s["user"], []).append(s)
+    for user, mine in by_user.items():
+        for n, s in enumerate(sorted(mine, key=lambda s: s["start"])):
+            order[id(s)] = f"{user}/{n}/{s['prompt']}"
+    return [order.get(id(s)) for s in ok]
 
 
 def _num(x: Any) -> float | None:

@@ -4,8 +4,8 @@ written into report.json.
     summary, data = report.measure_cell(cell, stream=True, users=4)     # the cell dict, and its RunData
     runs = {run_key(summary): data}                                     # the report's runs, by run_key
 
-`values` (each completed request's TTFT, ITL, e2e, tokens, TPOT) feeds the plots, the sweep's bootstrap and the
-per-user tok/s; `genai_perf` / `aiperf` are the run's exports (its own profile_export_* files and the report's).
+`values` (each completed request's TTFT, ITL, e2e, tokens, TPOT, and its key: user, n-th request, prompt) feeds
+the plots, the sweep's bootstraps (the TTFT one pairs the two runs' requests by key) and the per-user tok/s; `genai_perf` / `aiperf` are the run's exports (its own profile_export_* files and the report's).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any, Mapping
 
 @dataclass
 class RunData:
-    values: dict[str, list] = field(default_factory=dict)    # ttft_ms, itl_ms, e2e_ms, tokens, tpot_ms
+    values: dict[str, list] = field(default_factory=dict)    # ttft_ms, itl_ms, e2e_ms, tokens, tpot_ms,
+    #                                                         request_key, ttft_ms_per_request
     genai_perf: dict[str, Any] | None = None                  # GenAI-Perf's profile_export_genai_perf.json
     aiperf: dict[str, Any] | None = None                      # AIPerf's profile_export_aiperf.json
 

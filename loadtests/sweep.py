@@ -238,6 +238,31 @@ def bootstrap(a: dict[str, list], b: dict[str, list], kind: str, *, n: int = BOO
     return {"p_gain_gt_1": float((gains > 1).mean()), "ci90": [float(lo), float(hi)], "resamples": n}
 
 
+def same_prompt_ttft(a: dict[str, list], b: dict[str, list], *, n: int = BOOTSTRAP,
+                     seed: int = 0) -> dict[str, Any] | None:
+    """TTFT over the requests both runs sent with the same prompt (paired by `request_key`: a user's n-th request,
+    and its prompt): the baseline's median over the setting's (> 1 = the setting's first token came sooner), and
+    a 90 % interval from a paired bootstrap. A setting that finishes sooner sends more requests in a run of fixed
+    length; its extra requests carry other prompts, of other lengths, and TTFT follows the prompt's length, so
+    medians over all requests compare different prompts. None: fewer than 2 pairs, or no TTFT (non-streaming)."""
+    import numpy as np
+
+    def by_key(v: dict[str, list]) -> dict[str, float]:
+        return {k: t for k, t in zip(v.get("request_key") or [], v.get("ttft_ms_per_request") or [])
+                if k is not None and t is not None}
+
+    x, y = by_key(a), by_key(b)
+    keys = [k for k in x if k in y]
+    if len(keys) < 2:
+        return None
+    xs, ys = np.asarray([x[k] for k in keys]), np.asarray([y[k] for k in keys])
+    idx = np.random.default_rng(seed).integers(0, len(keys), (n, len(keys)))
+    gains = np.median(xs[idx], axis=1) / np.median(ys[idx], axis=1)
+    lo, hi = np.percentile(gains, [5, 95])
+    return {"ttft_speedup": float(np.median(xs) / np.median(ys)), "pairs": len(keys),
+            "ci90": [float(lo), float(hi)], "resamples": n}
+
+
 def point_gain(off: dict[str, Any], on: dict[str, Any], runs: Runs | None = None) -> dict[str, Any]:
     kind = objective(on)
     row = {
@@ -249,6 +274,7 @@ def point_gain(off: dict[str, Any], on: dict[str, Any], runs: Runs | None = None
     }
     row["gain"] = row["e2e_speedup"] if kind == "latency" else row["throughput_gain"]
     row["confidence"] = bootstrap(values_of(runs, off), values_of(runs, on), kind, point=row["gain"])
+    row["ttft_same_prompts"] = same_prompt_ttft(values_of(runs, off), values_of(runs, on))
     return row
 
 
@@ -278,6 +304,7 @@ def curves(cells: list[dict[str, Any]], baseline: str | None, runs: Runs | None 
                     points.append({**at, "gain": None, "objective": objective(on),
                                    "status": {"baseline": off.get("status"), "setting": on.get("status")},
                                    "requests": [off.get("requests"), on.get("requests")], "confidence": None,
+                                   "ttft_same_prompts": None,
                                    **{k: None for k in ("ttft_speedup", "tpot_speedup", "e2e_speedup",
                                                         "throughput_gain")}})
             # a ramp's crossover is read off its points by load (each load's first visit: the way up)

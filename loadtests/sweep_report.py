@@ -38,16 +38,20 @@ def curves_markdown(curves: list[dict[str, Any]]) -> list[str]:
     lines = ["", "## Where speculation pays: gain over the baseline by load", "",
              "Gain on the profile's objective (latency: e2e median off / on; throughput: tok/s on / off; > 1 = "
              "the setting is better), P(gain > 1) and the 90 % interval from a bootstrap over the requests of "
-             "both runs. The crossover is the highest load where the setting still beats the baseline.", "",
+             "both runs. The crossover is the highest load where the setting still beats the baseline. TTFT, "
+             "TPOT, e2e: the baseline's median over the setting's, over all requests; TTFT on the same prompts: "
+             "over the requests both runs sent with the same prompt (a user's n-th request), with its 90 % "
+             "interval and the number of pairs (the faster setting sends more requests, with other prompts).", "",
              "| profile | setting vs baseline | load | objective | gain | P(gain > 1) | 90 % interval | TTFT | "
-             "TPOT | e2e | tok/s | requests (base / setting) |", "|" + "---|" * 12]
+             "TTFT, same prompts (90 %, pairs) | TPOT | e2e | tok/s | requests (base / setting) |",
+             "|" + "---|" * 13]
     for cv in curves:
         for p in cv["points"]:
             if p.get("status"):   # a run that did not measure: no gain at this point
                 st = p["status"]
                 lines.append(f"| {cv['profile']} | {cv['setting']} vs {cv['baseline']} | {cv['param']}={p['value']:g} | "
                              f"{p['objective']} | not measured (baseline: {st['baseline']}; setting: "
-                             f"{st['setting']}) | - | - | - | - | - | - | {p['requests'][0]} / {p['requests'][1]} |")
+                             f"{st['setting']}) | - | - | - | - | - | - | - | {p['requests'][0]} / {p['requests'][1]} |")
                 continue
             conf = p.get("confidence") or {}
             ci = conf.get("ci90")
@@ -56,7 +60,7 @@ def curves_markdown(curves: list[dict[str, Any]]) -> list[str]:
                          f"{cv['param']}={p['value']:g}{at} | "
                          f"{p['objective']} | {_f(p['gain'], '{:.2f}x')} | {_f(conf.get('p_gain_gt_1'))} | "
                          f"{'-' if not ci else f'{ci[0]:.2f}-{ci[1]:.2f}'} | {_f(p['ttft_speedup'], '{:.2f}x')} | "
-                         f"{_f(p['tpot_speedup'], '{:.2f}x')} | {_f(p['e2e_speedup'], '{:.2f}x')} | "
+                         f"{_same_prompts(p.get('ttft_same_prompts'))} | {_f(p['tpot_speedup'], '{:.2f}x')} | {_f(p['e2e_speedup'], '{:.2f}x')} | "
                          f"{_f(p['throughput_gain'], '{:.2f}x')} | {p['requests'][0]} / {p['requests'][1]} |")
     lines += ["", "| profile | setting | crossover (highest load where it beats the baseline) | gain there | "
               "P(gain > 1) | beats at every load below | note |", "|" + "---|" * 7]
@@ -67,6 +71,13 @@ def curves_markdown(curves: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {cv['profile']} | {cv['setting']} | {value} | {_f(x.get('gain'), '{:.2f}x')} | "
                      f"{_f(x.get('p_gain_gt_1'))} | {below} | {x.get('note') or ''} |")
     return lines
+
+
+def _same_prompts(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "-"
+    lo, hi = m["ci90"]
+    return f"{m['ttft_speedup']:.2f}x ({lo:.2f}-{hi:.2f}, {m['pairs']})"
 
 
 def speculation_markdown(cells: list[dict[str, Any]]) -> list[str]:

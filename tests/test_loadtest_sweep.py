@@ -226,3 +226,57 @@ def test_the_report_survives_a_plot_that_cannot_be_drawn_and_a_report_bug(tmp_pa
     (tmp_path / "c").mkdir()
     data = json.loads(loadtest._write_report(tmp_path / "c", report(), runs)["json"].read_text())
     assert data["status"] == "error" and "writing the report failed" in data["error"] and len(data["cells"]) == 2
+
+
+def _chat_samples(ttfts: list[float], prompts: list[int], user: str = "0-1", failed_at: int | None = None):
+    out = []
+    for n, (t, p) in enumerate(zip(ttfts, prompts)):
+        ok = n != failed_at
+        out.append({"kind": "request", "ok": ok, "start": 100.0 + 2 * n, "e2e_ms": 500.0 if ok else 3.0,
+                    "ttft_ms": t if ok else None, "itl_ms": [10.0] if ok else [], "tpot_ms": 7.0 if ok else None,
+                    "tokens": 64 if ok else 0, "input_tokens": 40, "user": user, "prompt": p,
+                    **({} if ok else {"error": "HTTPError: 500"})})
+    return out
+
+
+def test_ttft_is_also_compared_on_the_requests_both_runs_sent_with_the_same_prompt(tmp_path):
+    """A faster setting sends more requests in a run of fixed length, and its extra ones carry other prompts: here
+    long ones (TTFT 170-180 ms) beside the 4 both runs sent (58-62 ms in both). Over all requests the setting's
+    median TTFT looks 2.8x worse; on the same prompts it is equal. Requests pair by (user, n-th request, prompt): a failed
+    request still counts in its user's order, and the same position with another prompt does not pair."""
+    from specbuild.loadtests import report as rep
+    from specbuild.loadtests.rundata import run_key
+    from specbuild.loadtests.runner import CellResult
+    from specbuild.loadtests.sweep_report import curves_markdown
+
+    off = _chat_samples([60.0, 62.0, 58.0, 61.0], [5, 7, 9, 11])
+    on = _chat_samples([61.0, 60.0, 62.0, 58.0, 180.0, 180.0, 180.0, 180.0], [5, 7, 9, 11, 40, 41, 42, 43])
+    on += _chat_samples([90.0, 170.0], [5, 8], user="0-2", failed_at=0)   # user 2: no request in the baseline
+    cells, runs = [], {}
+    for setting, samples in (("off", off), ("policy", on)):
+        cell, data = rep.measure_cell(CellResult("chat", setting, tmp_path, 0, 30.0, samples=samples,
+                                                 stop={"reason": "complete"}), stream=True, users=1)
+        cell["sweep"] = {"param": "users", "value": 1}
+        cells.append(cell)
+        runs[run_key(cell)] = data
+    keys = runs["chat/users=1/policy"].values["request_key"]
+    assert keys[:5] == ["0-1/0/5", "0-1/1/7", "0-1/2/9", "0-1/3/11", "0-1/4/40"] and keys[-1] == "0-2/1/8"
+    [curve] = sweep.curves(cells, "off", runs)
+    [point] = curve["points"]
+    assert point["ttft_speedup"] == pytest.approx(60.5 / 170.0)       # all requests: 4 vs 9 medians
+    same = point["ttft_same_prompts"]
+    assert same["pairs"] == 4 and same["ttft_speedup"] == pytest.approx(1.0)
+    lo, hi = same["ci90"]
+    assert lo < 1.0 < hi and hi - lo < 0.2
+    # a run whose requests carry no user or prompt (another load generator's export) pairs nothing
+    bare = {k: v for k, v in runs["chat/users=1/policy"].values.items() if k != "request_key"}
+    assert sweep.same_prompt_ttft(runs["chat/users=1/off"].values, bare) is None
+    table = "\n".join(curves_markdown([curve]))
+    assert "TTFT, same prompts (90 %, pairs)" in table
+    assert f"| 1.00x ({lo:.2f}-{hi:.2f}, 4) |" in table
+    # the same 4 prompts 10 ms slower in the setting: the pairs see it
+    slower = _chat_samples([71.0, 72.0, 68.0, 71.0, 180.0], [5, 7, 9, 11, 40])
+    cell, data = rep.measure_cell(CellResult("chat", "slow", tmp_path, 0, 30.0, samples=slower,
+                                             stop={"reason": "complete"}), stream=True, users=1)
+    assert sweep.same_prompt_ttft(runs["chat/users=1/off"].values, data.values)["ttft_speedup"] == \
+        pytest.approx(60.5 / 71.0)

@@ -62,6 +62,8 @@ def test_a_sweep_measures_every_setting_at_every_point_and_finds_the_crossover(s
     assert curve["setting"] == "on" and [p["value"] for p in curve["points"]] == [1, 2]
     for p in curve["points"]:   # 3 tokens a step against 1: faster at every point, confidently
         assert p["gain"] > 1 and p["e2e_speedup"] > 1 and p["confidence"]["p_gain_gt_1"] > 0.5
+        # each user drew the same prompts in both runs: their TTFTs pair up (a user's n-th request, its prompt)
+        assert p["ttft_same_prompts"]["pairs"] >= 2 and p["ttft_same_prompts"]["ttft_speedup"] > 0
     assert curve["crossover"]["value"] == 2 and curve["crossover"]["beyond_sweep"]
     md = (out / "report.md").read_text()
     assert "## Where speculation pays" in md and "| chat | on | users=2 |" in md
