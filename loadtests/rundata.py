@@ -5,7 +5,8 @@ written into report.json.
     runs = {run_key(summary): data}                                     # the report's runs, by run_key
 
 `values` (each completed request's TTFT, ITL, e2e, tokens, TPOT, and its key: user, n-th request, prompt) feeds
-the plots, the sweep's bootstraps (the TTFT one pairs the two runs' requests by key) and the per-user tok/s; `genai_perf` / `aiperf` are the run's exports (its own profile_export_* files and the report's).
+the plots, the sweep's bootstraps (the TTFT one pairs the two runs' requests by key) and the per-user tok/s;
+`genai_perf` / `aiperf` are the run's exports (its own profile_export_* files and the report's).
 """
 
 from __future__ import annotations

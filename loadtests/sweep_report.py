@@ -60,7 +60,8 @@ def curves_markdown(curves: list[dict[str, Any]]) -> list[str]:
                          f"{cv['param']}={p['value']:g}{at} | "
                          f"{p['objective']} | {_f(p['gain'], '{:.2f}x')} | {_f(conf.get('p_gain_gt_1'))} | "
                          f"{'-' if not ci else f'{ci[0]:.2f}-{ci[1]:.2f}'} | {_f(p['ttft_speedup'], '{:.2f}x')} | "
-                         f"{_same_prompts(p.get('ttft_same_prompts'))} | {_f(p['tpot_speedup'], '{:.2f}x')} | {_f(p['e2e_speedup'], '{:.2f}x')} | "
+                         f"{_same_prompts(p.get('ttft_same_prompts'))} | {_f(p['tpot_speedup'], '{:.2f}x')} | "
+                         f"{_f(p['e2e_speedup'], '{:.2f}x')} | "
                          f"{_f(p['throughput_gain'], '{:.2f}x')} | {p['requests'][0]} / {p['requests'][1]} |")
     lines += ["", "| profile | setting | crossover (highest load where it beats the baseline) | gain there | "
               "P(gain > 1) | beats at every load below | note |", "|" + "---|" * 7]

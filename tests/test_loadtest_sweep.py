@@ -242,8 +242,8 @@ def _chat_samples(ttfts: list[float], prompts: list[int], user: str = "0-1", fai
 def test_ttft_is_also_compared_on_the_requests_both_runs_sent_with_the_same_prompt(tmp_path):
     """A faster setting sends more requests in a run of fixed length, and its extra ones carry other prompts: here
     long ones (TTFT 170-180 ms) beside the 4 both runs sent (58-62 ms in both). Over all requests the setting's
-    median TTFT looks 2.8x worse; on the same prompts it is equal. Requests pair by (user, n-th request, prompt): a failed
-    request still counts in its user's order, and the same position with another prompt does not pair."""
+    median TTFT looks 2.8x worse; on the same prompts it is equal. Requests pair by (user, n-th request, prompt):
+    a failed request still counts in its user's order, and the same position with another prompt does not pair."""
     from specbuild.loadtests import report as rep
     from specbuild.loadtests.rundata import run_key
     from specbuild.loadtests.runner import CellResult
