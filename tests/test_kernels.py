@@ -58,7 +58,7 @@ def test_tiled_linear_computes_what_linear_computes(bias):
 
 
 @needs_ext
-@pytest.mark.parametrize("rows", [8, 12])        # AVX-512: one 8 x 3 and one 12 x 2 tile; AVX2: 6 + 2, 6 + 6
+@pytest.mark.parametrize("rows", [8, 12])        # AVX-512: one 8 x 3 and one 12 x 2 tile; AVX2: half panels
 def test_tiled_outputs_are_one_fma_chain_in_input_order(rows):
     """Every output is fma(x[K-1], w[K-1], ... fma(x[0], w[0], 0)) in fp32: what makes a row's result independent
     of the tile, the row count and the vector width (AVX2 and AVX-512 builds agree bitwise). Written out in numpy:
@@ -97,6 +97,34 @@ def test_tiled_rows_do_not_depend_on_the_other_rows_at_any_row_count():
     alone = torch.cat([tiled(x[i:i + 1]) for i in range(limit)])
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 18, 19, 24, 25, 72, 129, limit):
         assert torch.equal(tiled(x[:m]), alone[:m]), m
+
+
+def _has_avx512() -> bool:
+    from pathlib import Path
+
+    flags = next((ln.split() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), [])
+    return {"avx512f", "avx512bw"} <= set(flags)
+
+
+@needs_ext
+@pytest.mark.skipif(not _has_avx512(), reason="no AVX-512 here: the engine's own build is the AVX2 one")
+def test_an_avx2_build_computes_the_native_builds_bits_at_every_row_tile():
+    """The AVX2 kernels (1 x 4, 2-3 x 2, 4-6 x 1 panel tiles; 7-12 rows as one tile over half panels in turn; past
+    12 rows a 12-row first tile and 6-row tiles) against the AVX-512 ones (other tiles, another vector width), built
+    here from the same source with SPECBUILD_FUSED_ISA's flags: bitwise the same outputs at every row count, K not
+    a multiple of the half-panel block (600 = 9 x 64 + 24), a remainder panel and a bias."""
+    native, avx2 = fused.extension(), fused.extension_for("avx2")
+    gen = torch.Generator().manual_seed(13)
+    n, k = 1001, 600
+    w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    p_native, p_avx2 = native.pack_panels(w), avx2.pack_panels(w)
+    assert torch.equal(p_native, p_avx2)
+    x = torch.randn(160, k, generator=gen)
+    for m in (*range(1, 15), 16, 18, 24, 25, 37, 160):
+        want = native.tiled_linear(x[:m], p_native, bias, n)
+        got = avx2.tiled_linear(x[:m], p_avx2, bias, n)
+        assert torch.equal(got, want), m
+    torch.testing.assert_close(want, x @ w.T + bias, rtol=1e-4, atol=1e-3)
 
 
 @needs_ext

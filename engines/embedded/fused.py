@@ -15,6 +15,10 @@ the engine runs eager PyTorch and says why once (`status()`), so every test and 
 
 `decode_step` (EngineConfig): "auto" (fused where built and the model is supported, else eager), "fused"
 (required: refuse to load without it), "eager".
+
+`SPECBUILD_FUSED_ISA=avx2` builds (and loads) the AVX2 kernels on a CPU with AVX-512 (`-mno-avx512f
+-mno-avxvnni` after `-march=native`): to measure or debug on an AVX-512 machine what an AVX2-only one (an AMD EPYC
+Zen 3, say) runs. It is its own extension beside the native one; unset, or "native", is the default.
 """
 
 from __future__ import annotations
@@ -37,7 +41,22 @@ log = logging.getLogger(__name__)
 from specbuild.engines.embedded.config import DECODE_STEPS  # noqa: F401
 PACKED_FP32, Q4_1, Q8_0, DENSE, INT8_ROWWISE, TILED_FP32, Q4_1_Q8, Q8_0_Q8 = 0, 1, 2, 3, 4, 5, 6, 7
 INT8_ACTIVATIONS = {Q4_1: Q4_1_Q8, Q8_0: Q8_0_Q8}    # a block kind -> the same weights on int8 activations
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+BASE_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+ISA_CFLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}   # SPECBUILD_FUSED_ISA
+
+
+def isa() -> str:
+    """The kernels' instruction set: "native" (this CPU's best) unless SPECBUILD_FUSED_ISA says "avx2"."""
+    value = os.environ.get("SPECBUILD_FUSED_ISA", "").strip().lower() or "native"
+    if value not in ISA_CFLAGS:
+        raise ValueError(f"SPECBUILD_FUSED_ISA={value!r}: expected one of {', '.join(ISA_CFLAGS)}")
+    return value
+
+
+def cflags(kernels_isa: str | None = None) -> list[str]:
+    return BASE_CFLAGS + ISA_CFLAGS[kernels_isa or isa()]
+
+
 _EXT = None                    # the loaded module
 _WHY: str | None = None        # why it is not loaded (None: not tried yet, or loaded)
 _TRIED = False
@@ -68,21 +87,41 @@ def kernels_id() -> str:
     """What the extension computes with on this machine, whatever checkout it was built from: its source, flags,
     torch and CPU (`extension_name` also hashes the source's path). A calibration records it: step costs measured
     on other kernels are another engine's (bench_engine.py rebuilds on a mismatch)."""
-    return _digest(_source().read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_id().encode())
+    return _digest(_source().read_bytes(), " ".join(cflags()).encode(), torch.__version__.encode(), _cpu_id().encode())
 
 
-def extension_name() -> str:
+def extension_name(kernels_isa: str | None = None) -> str:
     # the source's path too: ninja's build file names it, so two checkouts sharing one cache would otherwise
     # rebuild the one extension in turn (each load waiting on the other's build lock)
     return "specbuild_fused_" + _digest(_source().read_bytes(), str(_source().resolve()).encode(),
-                                        " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_id().encode(),
-                                        sys.version.encode())
+                                        " ".join(cflags(kernels_isa)).encode(), torch.__version__.encode(),
+                                        _cpu_id().encode(), sys.version.encode())
 
 
-def build_dir() -> Path:
+def build_dir(kernels_isa: str | None = None) -> Path:
     from specbuild.core.paths import cache_dir
 
-    return cache_dir() / "torch_extensions" / extension_name()
+    return cache_dir() / "torch_extensions" / extension_name(kernels_isa)
+
+
+def _compile(kernels_isa: str | None = None):
+    """Compile (or find) and import the extension for `kernels_isa` (default: `isa()`); raises what the build
+    raises."""
+    from torch.utils import cpp_extension
+
+    out = build_dir(kernels_isa)
+    out.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out):
+        return cpp_extension.load(name=extension_name(kernels_isa), sources=[str(_source())],
+                                  extra_cflags=cflags(kernels_isa), extra_ldflags=["-fopenmp"],
+                                  build_directory=str(out), verbose=False)
+
+
+def extension_for(kernels_isa: str):
+    """The extension built with another instruction set's kernels ("avx2" on an AVX-512 CPU), beside the one the
+    engine loads: compiled once into the cache (~1 minute). For tests and measurements; raises if it cannot be
+    built."""
+    return _compile(kernels_isa)
 
 
 def _load(build: bool) -> object | None:
@@ -106,13 +145,8 @@ def _load(build: bool) -> object | None:
         _WHY = (f"not built on this machine ({out}); run `make setup` or "
                 "`python -m specbuild.engines.embedded.fused build`")
         return None
-    from torch.utils import cpp_extension
-
-    out.mkdir(parents=True, exist_ok=True)
     try:
-        with _build_lock(out):
-            _EXT = cpp_extension.load(name=name, sources=[str(_source())], extra_cflags=CFLAGS,
-                                      extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+        _EXT = _compile()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: the engine runs eager
         _WHY = f"building the fused decode step failed ({type(e).__name__}: {str(e).strip().splitlines()[-1:]})"
         log.warning("%s; the engine runs eager PyTorch", _WHY)
@@ -147,7 +181,7 @@ def extension(build: bool = False):
 
 def status() -> str:
     ext = extension()
-    return f"fused ({extension_name()})" if ext is not None else f"eager: {_WHY}"
+    return f"fused ({extension_name()}, {isa()} kernels)" if ext is not None else f"eager: {_WHY}"
 
 
 def block_linear(kind: int, x: torch.Tensor, qs, d, m, bias, out_features: int) -> torch.Tensor | None:
