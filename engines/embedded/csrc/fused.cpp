@@ -556,9 +556,9 @@ void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* q
 // in order, whatever the tile, the number of rows, the vector width or the thread that computes it: rows are
 // batch-invariant at any row count, and an AVX2 build gives bitwise the AVX-512 build's outputs (tested).
 // Tiles: MR rows x NV panels; AVX-512 (32 registers) 1-6 x 4 panels, 7-8 x 3 and 9-12 x 2 (up to 24
-// accumulators), AVX2 (16 registers, a panel is 2 vectors) 1 x 4, 2-3 x 2, 4-6 x 1. Threads split the panels. Up
-// to SINGLE_TILE_ROWS rows (12 on AVX-512, 6 on AVX2: a decode step of 8 sequences, a batch-1 verify of K 11, 2
-// sequences' of K 5, 4 sequences' of K 2) are one row tile, which walks
+// accumulators), AVX2 (16 registers, a panel is 2 vectors) 1 x 4, 2-3 x 2, 4-6 x 1, and 7-12 x 1 as the panel's
+// two halves in turn (half_panel_tile). Threads split the panels. Up to SINGLE_TILE_ROWS = 12 rows (a decode step
+// of 8 sequences, a batch-1 verify of K 11, 2 sequences' of K 5, 4 sequences' of K 2) are one row tile, which walks
 // its thread's whole share once: every weight is streamed from memory once, into all the rows. More rows walk
 // the share in chunks of 4 panels (147-393 KB of weights at K 576-1536): the chunk's first row tile is a
 // SINGLE_TILE_ROWS one, which streams it from memory into as many rows as it can hold (compute under the memory
@@ -590,7 +590,7 @@ template <int MR> constexpr int panels_per_tile() { return MR <= 6 ? 4 : MR <= 8
 constexpr int SINGLE_TILE_ROWS = 12;
 #else
 template <int MR> constexpr int panels_per_tile() { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
-constexpr int SINGLE_TILE_ROWS = 6;
+constexpr int SINGLE_TILE_ROWS = 12;     // 7-12 rows: half_panel_tile
 #endif
 constexpr int TILE_ROWS = 6;
 
@@ -625,17 +625,61 @@ inline void panel_tile(const float* x, int64_t K, const float* P, int64_t pstrid
   }
 }
 
+#ifndef SPECBUILD_AVX512
+// AVX2, 7-12 rows against one panel: 16 ymm registers cannot hold MR x 2 accumulators, so the panel's two 8-output
+// halves take turns over blocks of HALF_KB k, each half's MR accumulators kept in memory while the other half runs
+// (an exact store and reload: every output is still one fma chain with k in order). The first half streams the
+// block's weights from memory, the second reads them from L1: up to 12 rows take the weights from memory once,
+// where a 6-row tile and then a tile for the rest would stream them and then re-read them from L2 after. The
+// layers' linears of a 30-layer 576-wide model, an AVX2 build (SPECBUILD_FUSED_ISA=avx2) on an Intel Xeon, 2
+// threads, medians of 3 processes x 7: 8 rows 22.66 -> 21.59 ms, 9 rows 23.60 -> 21.93, 12 rows 26.43 -> 23.90,
+// 16 rows 31.04 -> 28.69 (bench/README.md, "2026-12-06 evening"). Blocks of 32 or 128 k: no different.
+constexpr int64_t HALF_KB = 64;
+
+template <int MR, bool PREFETCH>
+inline void half_pass(const float* x, int64_t K, const float* Ph, int64_t k0, int64_t k1, float* acc_mem) {
+  Vec acc[MR];
+  for (int r = 0; r < MR; r++) acc[r] = vload(acc_mem + r * VW);
+  for (int64_t k = k0; k < k1; k++) {
+    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(Ph + (k + PANEL_PREFETCH) * PANEL), _MM_HINT_T0);
+    const Vec w = vload(Ph + k * PANEL);
+    for (int r = 0; r < MR; r++) acc[r] = vfma(vset1(x[r * K + k]), w, acc[r]);
+  }
+  for (int r = 0; r < MR; r++) vstore(acc_mem + r * VW, acc[r]);
+}
+
+template <int MR>
+inline void half_panel_tile(const float* x, int64_t K, const float* P, float* y, int64_t ldy, int64_t ncols) {
+  alignas(32) float acc_mem[2][MR * VW] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += HALF_KB) {
+    const int64_t k1 = std::min(K, k0 + HALF_KB);
+    half_pass<MR, true>(x, K, P, k0, k1, acc_mem[0]);
+    half_pass<MR, false>(x, K, P + VW, k0, k1, acc_mem[1]);
+  }
+  for (int r = 0; r < MR; r++)
+    for (int64_t c = 0; c < ncols; c++) y[r * ldy + c] = acc_mem[c / VW][r * VW + c % VW];
+}
+#endif
+
 // MR rows against panels p0..p1
 template <int MR>
 inline void panel_rows(const float* x, int64_t K, const float* P, int64_t p0, int64_t p1, float* y, int64_t N) {
-  constexpr int NV = panels_per_tile<MR>();
   const int64_t pstride = K * PANEL;
-  int64_t p = p0;
-  for (; p + NV <= p1; p += NV)
-    panel_tile<MR, NV>(x, K, P + p * pstride, pstride, y + p * PANEL, N,
-                       std::min<int64_t>(NV * PANEL, N - p * PANEL));
-  for (; p < p1; p++)
-    panel_tile<MR, 1>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
+#ifndef SPECBUILD_AVX512
+  if constexpr (MR > 6) {
+    for (int64_t p = p0; p < p1; p++)
+      half_panel_tile<MR>(x, K, P + p * pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
+  } else
+#endif
+  {
+    constexpr int NV = panels_per_tile<MR>();
+    int64_t p = p0;
+    for (; p + NV <= p1; p += NV)
+      panel_tile<MR, NV>(x, K, P + p * pstride, pstride, y + p * PANEL, N,
+                         std::min<int64_t>(NV * PANEL, N - p * PANEL));
+    for (; p < p1; p++)
+      panel_tile<MR, 1>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
+  }
 }
 
 // one row tile of mr rows (1..SINGLE_TILE_ROWS) against panels p0..p1: panel_rows<mr>, from a table made from
