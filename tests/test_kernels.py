@@ -58,7 +58,7 @@ def test_tiled_linear_computes_what_linear_computes(bias):
 
 
 @needs_ext
-@pytest.mark.parametrize("rows", [8, 12])        # AVX-512: one 8 x 3 and one 12 x 2 tile; AVX2: half panels
+@pytest.mark.parametrize("rows", [8, 12])        # AVX-512: one 8 x 3 and one 12 x 2 tile; AVX2: row groups
 def test_tiled_outputs_are_one_fma_chain_in_input_order(rows):
     """Every output is fma(x[K-1], w[K-1], ... fma(x[0], w[0], 0)) in fp32: what makes a row's result independent
     of the tile, the row count and the vector width (AVX2 and AVX-512 builds agree bitwise). Written out in numpy:
@@ -109,10 +109,11 @@ def _has_avx512() -> bool:
 @needs_ext
 @pytest.mark.skipif(not _has_avx512(), reason="no AVX-512 here: the engine's own build is the AVX2 one")
 def test_an_avx2_build_computes_the_native_builds_bits_at_every_row_tile():
-    """The AVX2 kernels (1 x 4, 2-3 x 2, 4-6 x 1 panel tiles; 7-12 rows as one tile over half panels in turn; past
-    12 rows a 12-row first tile and 6-row tiles) against the AVX-512 ones (other tiles, another vector width), built
-    here from the same source with SPECBUILD_FUSED_ISA's flags: bitwise the same outputs at every row count, K not
-    a multiple of the half-panel block (600 = 9 x 64 + 24), a remainder panel and a bias."""
+    """The AVX2 kernels (1 x 4 and 2-3 x 2 panel tiles; 4-12 rows as groups of up to 3 rows taking turns over
+    blocks of k, on 2 panels and on a thread's odd last one; past 12 rows a 12-row first tile and 6-row tiles)
+    against the AVX-512 ones (other tiles, another vector width), built here from the same source with
+    SPECBUILD_FUSED_ISA's flags: bitwise the same outputs at every row count, K not a multiple of the k block
+    (600 = 9 x 64 + 24), a remainder panel and a bias."""
     native, avx2 = fused.extension(), fused.extension_for("avx2")
     gen = torch.Generator().manual_seed(13)
     n, k = 1001, 600

@@ -556,8 +556,8 @@ void block_gemm_q8(int kind, const float* x, int64_t M, int64_t K, const void* q
 // in order, whatever the tile, the number of rows, the vector width or the thread that computes it: rows are
 // batch-invariant at any row count, and an AVX2 build gives bitwise the AVX-512 build's outputs (tested).
 // Tiles: MR rows x NV panels; AVX-512 (32 registers) 1-6 x 4 panels, 7-8 x 3 and 9-12 x 2 (up to 24
-// accumulators), AVX2 (16 registers, a panel is 2 vectors) 1 x 4, 2-3 x 2, 4-6 x 1, and 7-12 x 1 as the panel's
-// two halves in turn (half_panel_tile). Threads split the panels. Up to SINGLE_TILE_ROWS = 12 rows (a decode step
+// accumulators), AVX2 (16 registers, a panel is 2 vectors) 1 x 4, 2-3 x 2, and 4-12 x 2 as groups of up to 3
+// rows in turn (group_tile). Threads split the panels. Up to SINGLE_TILE_ROWS = 12 rows (a decode step
 // of 8 sequences, a batch-1 verify of K 11, 2 sequences' of K 5, 4 sequences' of K 2) are one row tile, which walks
 // its thread's whole share once: every weight is streamed from memory once, into all the rows. More rows walk
 // the share in chunks of 4 panels (147-393 KB of weights at K 576-1536): the chunk's first row tile is a
@@ -589,8 +589,8 @@ constexpr int PV_PER_PANEL = PANEL / VW;  // vectors a panel's 16 weights at one
 template <int MR> constexpr int panels_per_tile() { return MR <= 6 ? 4 : MR <= 8 ? 3 : 2; }
 constexpr int SINGLE_TILE_ROWS = 12;
 #else
-template <int MR> constexpr int panels_per_tile() { return MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
-constexpr int SINGLE_TILE_ROWS = 12;     // 7-12 rows: half_panel_tile
+template <int MR> constexpr int panels_per_tile() { return MR == 1 ? 4 : 2; }   // 4+ rows: group_tile
+constexpr int SINGLE_TILE_ROWS = 12;
 #endif
 constexpr int TILE_ROWS = 6;
 
@@ -626,38 +626,71 @@ inline void panel_tile(const float* x, int64_t K, const float* P, int64_t pstrid
 }
 
 #ifndef SPECBUILD_AVX512
-// AVX2, 7-12 rows against one panel: 16 ymm registers cannot hold MR x 2 accumulators, so the panel's two 8-output
-// halves take turns over blocks of HALF_KB k, each half's MR accumulators kept in memory while the other half runs
-// (an exact store and reload: every output is still one fma chain with k in order). The first half streams the
-// block's weights from memory, the second reads them from L1: up to 12 rows take the weights from memory once,
-// where a 6-row tile and then a tile for the rest would stream them and then re-read them from L2 after. The
-// layers' linears of a 30-layer 576-wide model, an AVX2 build (SPECBUILD_FUSED_ISA=avx2) on an Intel Xeon, 2
-// threads, medians of 3 processes x 7: 8 rows 22.66 -> 21.59 ms, 9 rows 23.60 -> 21.93, 12 rows 26.43 -> 23.90,
-// 16 rows 31.04 -> 28.69 (bench/README.md, "2026-12-06 evening"). Blocks of 32 or 128 k: no different.
-constexpr int64_t HALF_KB = 64;
+// AVX2, 4-12 rows: 16 ymm registers hold the accumulators of 3 rows x 2 panels (or 6 x 1) at most, so the rows go
+// in balanced groups of at most that many (4 = 2 + 2, 8 = 3 + 3 + 2, 12 = 4 x 3) that take turns over blocks of
+// ROW_GROUP_KB k, each group's accumulators kept in memory while the others run (an exact store and reload: every
+// output is still one fma chain with k in order). The first group streams the block's weights from memory, the
+// others read them from L1: up to 12 rows take the weights from memory once. Before, 4-6 rows were one 1-panel
+// tile (fmas waiting on the previous k's) and 7-12 rows a 6-row tile that streamed the weights and then a second
+// one that re-read them from L2. The layers' linears of a 30-layer 576-wide model, an AVX2 build
+// (SPECBUILD_FUSED_ISA=avx2) on an Intel Xeon, 2 threads, ms, one process per variant, medians: 4 rows 20.1 ->
+// 16.6, 6 rows 20.9 -> 17.0, 8 rows 22.7 -> 19.0, 9 rows 23.6 -> 19.6, 12 rows 26.4 -> 23.1, 150 rows 173 -> 167
+// (bench/README.md, "2026-12-06 evening"). Blocks of 32 or 128 k: no different from 64.
+constexpr int64_t ROW_GROUP_KB = 64;
 
-template <int MR, bool PREFETCH>
-inline void half_pass(const float* x, int64_t K, const float* Ph, int64_t k0, int64_t k1, float* acc_mem) {
-  Vec acc[MR];
-  for (int r = 0; r < MR; r++) acc[r] = vload(acc_mem + r * VW);
-  for (int64_t k = k0; k < k1; k++) {
-    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(Ph + (k + PANEL_PREFETCH) * PANEL), _MM_HINT_T0);
-    const Vec w = vload(Ph + k * PANEL);
-    for (int r = 0; r < MR; r++) acc[r] = vfma(vset1(x[r * K + k]), w, acc[r]);
-  }
-  for (int r = 0; r < MR; r++) vstore(acc_mem + r * VW, acc[r]);
+template <int NV> constexpr int group_max() { return NV == 2 ? 3 : 6; }
+template <int MR, int NV> constexpr int n_groups() { return (MR + group_max<NV>() - 1) / group_max<NV>(); }
+template <int MR, int NV> constexpr int group_rows(int g) {
+  return MR / n_groups<MR, NV>() + (g < MR % n_groups<MR, NV>() ? 1 : 0);
+}
+template <int MR, int NV> constexpr int group_first(int g) {
+  int r = 0;
+  for (int i = 0; i < g; i++) r += group_rows<MR, NV>(i);
+  return r;
 }
 
-template <int MR>
-inline void half_panel_tile(const float* x, int64_t K, const float* P, float* y, int64_t ldy, int64_t ncols) {
-  alignas(32) float acc_mem[2][MR * VW] = {};
-  for (int64_t k0 = 0; k0 < K; k0 += HALF_KB) {
-    const int64_t k1 = std::min(K, k0 + HALF_KB);
-    half_pass<MR, true>(x, K, P, k0, k1, acc_mem[0]);
-    half_pass<MR, false>(x, K, P + VW, k0, k1, acc_mem[1]);
+// G rows x NV panels over k0..k1, the accumulators loaded from and stored back to acc_mem [G][NV * 2][8]
+template <int G, int NV, bool PREFETCH>
+inline void group_pass(const float* x, int64_t K, const float* P, int64_t pstride, int64_t k0, int64_t k1,
+                       float* acc_mem) {
+  constexpr int NA = NV * PV_PER_PANEL;
+  Vec acc[G][NA];
+  for (int r = 0; r < G; r++)
+    for (int j = 0; j < NA; j++) acc[r][j] = vload(acc_mem + (r * NA + j) * VW);
+  for (int64_t k = k0; k < k1; k++) {
+    if (PREFETCH)
+      for (int j = 0; j < NV; j++)
+        _mm_prefetch(reinterpret_cast<const char*>(P + j * pstride + (k + PANEL_PREFETCH) * PANEL), _MM_HINT_T0);
+    Vec w[NA];
+    for (int j = 0; j < NV; j++)
+      for (int v = 0; v < PV_PER_PANEL; v++) w[j * PV_PER_PANEL + v] = vload(P + j * pstride + k * PANEL + v * VW);
+    for (int r = 0; r < G; r++) {
+      const Vec xb = vset1(x[r * K + k]);
+      for (int j = 0; j < NA; j++) acc[r][j] = vfma(xb, w[j], acc[r][j]);
+    }
   }
+  for (int r = 0; r < G; r++)
+    for (int j = 0; j < NA; j++) vstore(acc_mem + (r * NA + j) * VW, acc[r][j]);
+}
+
+template <int MR, int NV, int g>
+inline void group_passes(const float* x, int64_t K, const float* P, int64_t pstride, int64_t k0, int64_t k1,
+                         float* acc_mem) {
+  constexpr int G = group_rows<MR, NV>(g), R0 = group_first<MR, NV>(g), NA = NV * PV_PER_PANEL;
+  group_pass<G, NV, g == 0>(x + R0 * K, K, P, pstride, k0, k1, acc_mem + R0 * NA * VW);
+  if constexpr (g + 1 < n_groups<MR, NV>()) group_passes<MR, NV, g + 1>(x, K, P, pstride, k0, k1, acc_mem);
+}
+
+// MR rows x NV panels (their first `ncols` outputs stored) in row groups
+template <int MR, int NV>
+inline void group_tile(const float* x, int64_t K, const float* P, int64_t pstride, float* y, int64_t ldy,
+                       int64_t ncols) {
+  constexpr int NA = NV * PV_PER_PANEL;
+  alignas(32) float acc_mem[MR * NA * VW] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += ROW_GROUP_KB)
+    group_passes<MR, NV, 0>(x, K, P, pstride, k0, std::min(K, k0 + ROW_GROUP_KB), acc_mem);
   for (int r = 0; r < MR; r++)
-    for (int64_t c = 0; c < ncols; c++) y[r * ldy + c] = acc_mem[c / VW][r * VW + c % VW];
+    for (int64_t c = 0; c < ncols; c++) y[r * ldy + c] = acc_mem[r * NA * VW + c];
 }
 #endif
 
@@ -666,9 +699,12 @@ template <int MR>
 inline void panel_rows(const float* x, int64_t K, const float* P, int64_t p0, int64_t p1, float* y, int64_t N) {
   const int64_t pstride = K * PANEL;
 #ifndef SPECBUILD_AVX512
-  if constexpr (MR > 6) {
-    for (int64_t p = p0; p < p1; p++)
-      half_panel_tile<MR>(x, K, P + p * pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
+  if constexpr (MR >= 4) {
+    int64_t p = p0;
+    for (; p + 2 <= p1; p += 2)
+      group_tile<MR, 2>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(2 * PANEL, N - p * PANEL));
+    for (; p < p1; p++)
+      group_tile<MR, 1>(x, K, P + p * pstride, pstride, y + p * PANEL, N, std::min<int64_t>(PANEL, N - p * PANEL));
   } else
 #endif
   {
