@@ -118,23 +118,54 @@ def test_block_kernels_refuse_blocks_in_the_other_layout(scheme):
     assert fused.block_linear(q.kind, x, *stored, None, 40).shape == (2, 40)
 
 
+def _isa_ext(isa: str):
+    """The extension to test: the engine's own, or its AVX2 kernels built beside it (skipped on a CPU without
+    AVX-512, whose own build is the AVX2 one)."""
+    if isa == "native":
+        return fused.extension()
+    if not fused.cpu_has_avx512():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    return fused.extension_for(isa)
+
+
 @needs_ext
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [96, 128, 576, 1536])
-def test_block_int8_kernels_are_the_q8_scheme_exactly(scheme, k):
+def test_block_int8_kernels_are_the_q8_scheme_exactly(scheme, k, isa):
     """The Q4_1 / Q8_0 x int8 kernels against the scheme written out in numpy: x rounded per block of 32 (xd =
     max|x| / 127, xq = rint(x / xd) in fp32), the integer dots <q_b, xq_b>, then sum_b d_b xd_b <q_b, xq_b> (+ m_b
     sum(x_b) for Q4_1). Whatever vector path the machine's build takes (weights interleaved by 16 rows: AVX-512 with
     or without VNNI one vector per group, AVX2 two halves; 24 rows are a whole group and a zero-padded one), each
     output is that sum to within fp32 rounding; a block, a row or a lane in the wrong place is off by far more."""
     gen = torch.Generator().manual_seed(k)
+    _assert_q8_scheme_exactly(torch.randn(24, k, generator=gen) * 0.05, torch.randn(3, k, generator=gen), scheme,
+                              _isa_ext(isa))
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_q4_1_int8_kernel_is_exact_at_its_integer_limits(sign, isa):
+    """Without VNNI the Q4_1 x int8 kernel sums a block's byte products in 16-bit lanes before widening them
+    (exact while |sum| <= 32767: 8 pairs of 15 x 127 = 30480 at most). The largest codes (15, all but one element
+    of each block) against the largest int8 activations (+-127 everywhere) reach that bound: still the scheme's
+    exact sums."""
+    w = torch.full((24, 576), 0.05)
+    w[:, ::32] = -0.05                                      # each block's minimum: code 0, every other element 15
+    _assert_q8_scheme_exactly(w, torch.full((3, 576), 0.7 * sign), "q4_1", _isa_ext(isa))
+
+
+def _assert_q8_scheme_exactly(w: torch.Tensor, x: torch.Tensor, scheme: str, ext) -> None:
+    k = w.shape[1]
     lin = torch.nn.Linear(k, 24, bias=False)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(24, k, generator=gen) * 0.05)
+        lin.weight.copy_(w)
     q, _ = BlockLinear.from_linear(lin, scheme)
     q.activations = "int8"
-    x = torch.randn(3, k, generator=gen)
-    got = q(x).double().numpy()
+    qs, d, m = q.kernel_blocks()
+    got = ext.block_linear(q.kernel_kind, x, qs, d, m if m is not None else torch.empty(0), torch.empty(0),
+                           24).double().numpy()
     nb = k // 32
     if scheme == "q4_1":
         qs = q.qs.numpy().reshape(24, nb, 16)

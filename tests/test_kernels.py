@@ -99,15 +99,8 @@ def test_tiled_rows_do_not_depend_on_the_other_rows_at_any_row_count():
         assert torch.equal(tiled(x[:m]), alone[:m]), m
 
 
-def _has_avx512() -> bool:
-    from pathlib import Path
-
-    flags = next((ln.split() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), [])
-    return {"avx512f", "avx512bw"} <= set(flags)
-
-
 @needs_ext
-@pytest.mark.skipif(not _has_avx512(), reason="no AVX-512 here: the engine's own build is the AVX2 one")
+@pytest.mark.skipif(not fused.cpu_has_avx512(), reason="no AVX-512 here: the engine's own build is the AVX2 one")
 def test_an_avx2_build_computes_the_native_builds_bits_at_every_row_tile():
     """The AVX2 kernels (1 x 4 and 2-3 x 2 panel tiles; 4-12 rows as groups of up to 3 rows taking turns over
     blocks of k, on 2 panels and on a thread's odd last one; past 12 rows a 12-row first tile and 6-row tiles)

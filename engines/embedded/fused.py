@@ -53,6 +53,17 @@ def isa() -> str:
     return value
 
 
+def cpu_has_avx512() -> bool:
+    """Does this CPU have what the extension's AVX-512 kernels need (AVX-512 F and BW)? Where it does not, the
+    native build is the AVX2 one and `extension_for("avx2")` builds the same kernels again."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((ln.split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    return {"avx512f", "avx512bw"} <= set(flags)
+
+
 def cflags(kernels_isa: str | None = None) -> list[str]:
     return BASE_CFLAGS + ISA_CFLAGS[kernels_isa or isa()]
 
