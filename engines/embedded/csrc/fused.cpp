@@ -624,6 +624,24 @@ constexpr int SINGLE_TILE_ROWS = 12;
 #endif
 constexpr int TILE_ROWS = 6;
 
+// One k of G rows x NV panels: the panels' 16 weights at k times each row's x[k], into acc. PREFETCH: each
+// panel's line PANEL_PREFETCH k ahead (one 64-byte line a k).
+template <int G, int NV, bool PREFETCH>
+inline void panel_k(Vec (&acc)[G][NV * PV_PER_PANEL], const float* x, int64_t K, const float* P, int64_t pstride,
+                    int64_t k) {
+  constexpr int NA = NV * PV_PER_PANEL;
+  if (PREFETCH)
+    for (int j = 0; j < NV; j++)
+      _mm_prefetch(reinterpret_cast<const char*>(P + j * pstride + (k + PANEL_PREFETCH) * PANEL), _MM_HINT_T0);
+  Vec w[NA];
+  for (int j = 0; j < NV; j++)
+    for (int v = 0; v < PV_PER_PANEL; v++) w[j * PV_PER_PANEL + v] = vload(P + j * pstride + k * PANEL + v * VW);
+  for (int r = 0; r < G; r++) {
+    const Vec xb = vset1(x[r * K + k]);
+    for (int j = 0; j < NA; j++) acc[r][j] = vfma(xb, w[j], acc[r][j]);
+  }
+}
+
 // MR rows of x against NV panels (their first `ncols` outputs stored; a last panel past N is zero-padded)
 template <int MR, int NV>
 inline void panel_tile(const float* x, int64_t K, const float* P, int64_t pstride, float* y, int64_t ldy,
@@ -632,18 +650,7 @@ inline void panel_tile(const float* x, int64_t K, const float* P, int64_t pstrid
   Vec acc[MR][NA];
   for (int r = 0; r < MR; r++)
     for (int j = 0; j < NA; j++) acc[r][j] = vzero();
-  for (int64_t k = 0; k < K; k++) {
-    if (MR >= 2)                     // each panel's line PANEL_PREFETCH k ahead (one 64-byte line a k)
-      for (int j = 0; j < NV; j++)
-        _mm_prefetch(reinterpret_cast<const char*>(P + j * pstride + (k + PANEL_PREFETCH) * PANEL), _MM_HINT_T0);
-    Vec w[NA];
-    for (int j = 0; j < NV; j++)
-      for (int v = 0; v < PV_PER_PANEL; v++) w[j * PV_PER_PANEL + v] = vload(P + j * pstride + k * PANEL + v * VW);
-    for (int r = 0; r < MR; r++) {
-      const Vec xb = vset1(x[r * K + k]);
-      for (int j = 0; j < NA; j++) acc[r][j] = vfma(xb, w[j], acc[r][j]);
-    }
-  }
+  for (int64_t k = 0; k < K; k++) panel_k<MR, NV, (MR >= 2)>(acc, x, K, P, pstride, k);
   for (int r = 0; r < MR; r++) {
     if (ncols == NV * PANEL) {
       for (int j = 0; j < NA; j++) vstore(y + r * ldy + j * VW, acc[r][j]);
@@ -687,18 +694,7 @@ inline void group_pass(const float* x, int64_t K, const float* P, int64_t pstrid
   Vec acc[G][NA];
   for (int r = 0; r < G; r++)
     for (int j = 0; j < NA; j++) acc[r][j] = vload(acc_mem + (r * NA + j) * VW);
-  for (int64_t k = k0; k < k1; k++) {
-    if (PREFETCH)
-      for (int j = 0; j < NV; j++)
-        _mm_prefetch(reinterpret_cast<const char*>(P + j * pstride + (k + PANEL_PREFETCH) * PANEL), _MM_HINT_T0);
-    Vec w[NA];
-    for (int j = 0; j < NV; j++)
-      for (int v = 0; v < PV_PER_PANEL; v++) w[j * PV_PER_PANEL + v] = vload(P + j * pstride + k * PANEL + v * VW);
-    for (int r = 0; r < G; r++) {
-      const Vec xb = vset1(x[r * K + k]);
-      for (int j = 0; j < NA; j++) acc[r][j] = vfma(xb, w[j], acc[r][j]);
-    }
-  }
+  for (int64_t k = k0; k < k1; k++) panel_k<G, NV, PREFETCH>(acc, x, K, P, pstride, k);
   for (int r = 0; r < G; r++)
     for (int j = 0; j < NA; j++) vstore(acc_mem + (r * NA + j) * VW, acc[r][j]);
 }
