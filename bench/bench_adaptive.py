@@ -15,7 +15,8 @@ recipe: `build --draft-quantize int4`) and the n-gram proposer, in one process:
                   (the crossover `build` writes; draft speedup by concurrency is in bench_engine's throughput)
 
 Every cell is measured --runs times, round-robin (one pass over all cells per run, so load bursts from
-other processes hit every cell alike; every other pass in reverse order); figures are medians. Writes --out (JSON) and prints a table.
+other processes hit every cell alike; every other pass in reverse order); figures are medians. Writes --out
+(JSON) and prints a table.
 
     .venv/bin/python bench/bench_adaptive.py --quick        # 2 runs x 12 tokens, 96-token prompts
     .venv/bin/python bench/bench_adaptive.py                # 3 runs x 16 tokens, 128-token prompts

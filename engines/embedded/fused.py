@@ -56,12 +56,9 @@ def isa() -> str:
 def cpu_has_avx512() -> bool:
     """Does this CPU have what the extension's AVX-512 kernels need (AVX-512 F and BW)? Where it does not, the
     native build is the AVX2 one and `extension_for("avx2")` builds the same kernels again."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((ln.split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    return {"avx512f", "avx512bw"} <= set(flags)
+    from specbuild.core.machine import cpu_info
+
+    return {"avx512f", "avx512bw"} <= set(cpu_info()["isa"])
 
 
 def cflags(kernels_isa: str | None = None) -> list[str]:
@@ -115,9 +112,10 @@ def build_dir(kernels_isa: str | None = None) -> Path:
     return cache_dir() / "torch_extensions" / extension_name(kernels_isa)
 
 
-def _compile(kernels_isa: str | None = None):
-    """Compile (or find) and import the extension for `kernels_isa` (default: `isa()`); raises what the build
-    raises."""
+def extension_for(kernels_isa: str | None = None):
+    """Compile (or find) and import the extension for `kernels_isa` (default: `isa()`): compiled once into the
+    cache (~1 minute); raises what the build raises. With another instruction set ("avx2" on an AVX-512 CPU) it is
+    a second extension beside the one the engine loads, for tests and measurements."""
     from torch.utils import cpp_extension
 
     out = build_dir(kernels_isa)
@@ -126,13 +124,6 @@ def _compile(kernels_isa: str | None = None):
         return cpp_extension.load(name=extension_name(kernels_isa), sources=[str(_source())],
                                   extra_cflags=cflags(kernels_isa), extra_ldflags=["-fopenmp"],
                                   build_directory=str(out), verbose=False)
-
-
-def extension_for(kernels_isa: str):
-    """The extension built with another instruction set's kernels ("avx2" on an AVX-512 CPU), beside the one the
-    engine loads: compiled once into the cache (~1 minute). For tests and measurements; raises if it cannot be
-    built."""
-    return _compile(kernels_isa)
 
 
 def _load(build: bool) -> object | None:
@@ -157,7 +148,7 @@ def _load(build: bool) -> object | None:
                 "`python -m specbuild.engines.embedded.fused build`")
         return None
     try:
-        _EXT = _compile()
+        _EXT = extension_for()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: the engine runs eager
         _WHY = f"building the fused decode step failed ({type(e).__name__}: {str(e).strip().splitlines()[-1:]})"
         log.warning("%s; the engine runs eager PyTorch", _WHY)
