@@ -121,6 +121,16 @@ def test_an_avx2_build_computes_the_native_builds_bits_at_every_row_tile():
     torch.testing.assert_close(want, x @ w.T + bias, rtol=1e-4, atol=1e-3)
 
 
+def test_a_bad_kernel_isa_is_refused_with_the_values_it_takes(monkeypatch, capsys):
+    monkeypatch.setenv("SPECBUILD_FUSED_ISA", "sse4")
+    assert fused.main(["status"]) == 2
+    assert "SPECBUILD_FUSED_ISA='sse4': expected one of native, avx2" in capsys.readouterr().err
+    monkeypatch.setenv("SPECBUILD_FUSED_ISA", " AVX2 ")
+    assert fused.isa() == "avx2" and fused.cflags()[-2:] == ["-mno-avx512f", "-mno-avxvnni"]
+    monkeypatch.delenv("SPECBUILD_FUSED_ISA")
+    assert fused.isa() == "native" and fused.cflags() == fused.BASE_CFLAGS
+
+
 @needs_ext
 def test_auto_puts_fp32_linears_on_the_kernel_measured_faster_here(tiny_llama):
     """"auto" is the machine's measured pick (tiled or oneDNN: `linear_kernel.json` beside the extension), never

@@ -49,7 +49,10 @@ def isa() -> str:
     """The kernels' instruction set: "native" (this CPU's best) unless SPECBUILD_FUSED_ISA says "avx2"."""
     value = os.environ.get("SPECBUILD_FUSED_ISA", "").strip().lower() or "native"
     if value not in ISA_CFLAGS:
-        raise ValueError(f"SPECBUILD_FUSED_ISA={value!r}: expected one of {', '.join(ISA_CFLAGS)}")
+        from specbuild.core.errors import UsageError
+
+        raise UsageError(f"SPECBUILD_FUSED_ISA={value!r}: expected one of {', '.join(ISA_CFLAGS)} "
+                         "(or unset it for this CPU's own kernels)")
     return value
 
 
@@ -238,13 +241,20 @@ def build(progress=print) -> bool:
 
 
 def main(argv=None) -> int:
+    from specbuild.core.errors import SpecbuildError
+
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["build"]:
-        build()
-        return 0            # never fails setup: without it the engine runs eager
-    if args[:1] == ["status"]:
-        print(status())
-        return 0
+    try:
+        isa()                   # a bad SPECBUILD_FUSED_ISA is refused whether or not anything is built yet
+        if args[:1] == ["build"]:
+            build()
+            return 0            # never fails setup: without it the engine runs eager
+        if args[:1] == ["status"]:
+            print(status())
+            return 0
+    except SpecbuildError as e:  # a bad SPECBUILD_FUSED_ISA: its message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     print("usage: python -m specbuild.engines.embedded.fused build|status", file=sys.stderr)
     return 2
 
