@@ -353,7 +353,8 @@ def test_online_costs_price_k_with_what_the_steps_measured():
         oc.observe(1, 0, 0, t_propose=0.0, t_score=0.040)          # plain step 40 ms
     m = oc.model(1, base)
     assert m.source == "online" and m.cost_ratio == pytest.approx(0.75)
-    assert m.verify_overhead(4) == pytest.approx(0.25)
+    assert m.verify_overhead(4) == pytest.approx(0.25)               # one K: its level, the calibration's slope
+    assert m.verify_overhead(8) - m.verify_overhead(4) == pytest.approx(4 * base.verify_slope)
     assert choose_k(0.96, m, 8) > 0 and choose_k(0.5, m, 8) == 0    # c 0.75: pays only at high acceptance
     assert oc.model(2, base) is base                                # per batch size
     for _ in range(3):
@@ -387,6 +388,46 @@ def test_slow_verifies_at_a_k_no_longer_chosen_age_out_so_probes_can_turn_drafti
     assert m.source == "online" and m.verify_overhead(1) == pytest.approx(0.1)
     assert choose_k(0.9, m, 8) > 0                                   # drafting is back on
     assert oc.verify_keys(1) == [1, 4]                               # kept (a fresh K 4 verify counts again)
+
+
+def test_one_k_measured_online_does_not_price_every_k_at_its_cost():
+    """At 4 sequences on an AMD EPYC Zen 4 the verify grows steeply past 12 rows (calibrated: K 1 / 2 / 4 / 8 at
+    1.05 / 1.23 / 1.76 / 3.04 plain steps). After n-gram traffic had verified only K 1 there, the online line
+    through that one K was flat, so K 8 looked as cheap as K 1 and adaptive K chose it (bench_adaptive's policy
+    cell: K 8 and 5 at batch 4, 0.75-0.85x adaptive K). With the calibration's line where online has no spread,
+    K 8 is priced near what it costs and the choice is K 2-5, where the measured optimum lies."""
+    from specbuild.engines.embedded.adaptive import OnlineCosts
+
+    cal = {**CALIBRATION, "by_concurrency": {"4": {"t_target_s": 0.0196, "t_draft_s": 0.0058, "t_verify_s": {
+        "1": 0.0205, "2": 0.0242, "4": 0.0345, "8": 0.0596}}}}
+    base = cost_models(cal, 4)["draft"]
+    oc = OnlineCosts(min_samples=3)
+    for _ in range(3):
+        oc.observe(4, 0, 0, t_propose=0.0, t_score=0.0196)          # plain steps at 4 sequences
+        oc.observe(4, 1, 1, t_propose=0.0058, t_score=0.0205)       # K 1 verifies only (n-gram or probes)
+    m = oc.model(4, base)
+    assert m.source == "online"
+    assert m.verify_overhead(8) > 0.75 * (0.0596 / 0.0196 - 1)        # K 8 near its measured 2.04, not 0.05
+    assert 2 <= choose_k(0.95, m, 8) <= 5
+    for _ in range(3):                                               # a spread of Ks measured: online alone
+        oc.observe(4, 3, 3, t_propose=3 * 0.0058, t_score=0.0290)
+    assert oc.model(4, base).verify_overhead(3) == pytest.approx(0.0290 / 0.0196 - 1, rel=0.25)
+
+
+def test_a_verify_is_filed_under_the_k_per_sequence_its_rows_cost_like():
+    """An n-gram step where one of 4 sequences proposed 6 tokens scores 10 rows: it must not price K 6 at 4
+    sequences (28 rows) for the draft's adaptive K."""
+    from specbuild.engines.embedded.kplan import KPlanner, verify_width
+    from specbuild.engines.embedded.proposers import Proposal
+
+    assert verify_width(4, [6, 0, 0, 0]) == 2 and verify_width(4, [1, 0, 0, 0]) == 1
+    assert verify_width(4, [0, 0, 0, 0]) == 0 and verify_width(1, [5]) == 5 and verify_width(3, [4, 4, 3]) == 4
+    kp = KPlanner(calibration=CALIBRATION, online_costs=True)
+
+    class S:
+        proposer = "ngram"
+    kp.observe(4, [S()] * 4, [Proposal([1] * 6), Proposal([]), Proposal([]), Proposal([])], 0.001, 0.021)
+    assert kp.online.verify_keys(4) == [2]
 
 
 def test_a_draft_that_is_slow_here_is_turned_off_by_measured_costs(tiny_llama, monkeypatch):

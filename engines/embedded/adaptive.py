@@ -100,6 +100,24 @@ def fit_verify_curve(t_target: float, t_verify: dict[int, float]) -> tuple[float
     return a, b
 
 
+def narrow_verify_curve(t_target: float, t_verify: dict[int, float], base: CostModel) -> tuple[float, float]:
+    """The verify line where the Ks measured online span less than 2 (one K, or two neighbours): they tell the
+    level of the verify cost, not how it grows with K. So the slope is the calibration's (`base`), or the points'
+    own where two give a steeper one, and the intercept puts the line through the points' mean (never below 0:
+    then the line is the calibration's slope from 0, dearer than the points rather than flat). Fitted as a line
+    alone, one K gave b = 0 and every K was priced at that K's cost: after n-gram traffic had verified only K 1
+    at 4 sequences, adaptive K chose K 8 there, a verify of 36 rows at 3.0 plain steps where K 1's cost 1.05
+    (AMD EPYC Zen 4; bench/README.md, "2026-12-06 night")."""
+    pts = [(k, t / t_target - 1.0) for k, t in sorted(t_verify.items()) if k >= 1 and t > 0]
+    if not pts:
+        return DEFAULT_VERIFY
+    own = fit_verify_curve(t_target, t_verify)[1] if len(pts) >= 2 else 0.0
+    b = max(base.verify_slope, own)
+    mk = sum(k for k, _ in pts) / len(pts)
+    mv = sum(v for _, v in pts) / len(pts)
+    return max(mv - b * mk, 0.0), b
+
+
 def cost_models(calibration: dict | None, n: int = 1) -> dict[str, CostModel]:
     """Cost models per proposer from the calibration `build` stores in engine_config.json (`calibrate.py`
     `Calibration.to_dict()`: t_target_s, t_verify_s {"K": s}, t_draft_s, proposer); defaults when absent.
@@ -241,7 +259,8 @@ class OnlineCosts:
     drafting step gives the time per draft step (propose time / draft steps) and the verify time for its K.
     `model(n, base)` turns the medians of the last `window` samples into the cost model adaptive K uses,
     relative to the plain step at the same n (c = draft step / plain step, v(K) = verify(K) / plain step - 1,
-    fitted as a line like the calibration's). Until `min_samples` plain and drafting steps were seen at n, it
+    fitted as a line like the calibration's; where the Ks measured span less than 2, at least the calibration's
+    slope: `narrow_verify_curve`). Until `min_samples` plain and drafting steps were seen at n, it
     returns `base` (the calibration). While sequences keep drafting, every `explore_every`-th step at n is run
     plain (`wants_plain`) so the baseline stays measured: speculation is judged against what off costs now.
     A K not verified in the last `stale_after` steps at n leaves the fit (`fresh_verify_keys`).
@@ -302,7 +321,10 @@ class OnlineCosts:
         t_verify = {k: statistics.median(self.verify[(n, k)]) for k in self.fresh_verify_keys(n)}
         if not t_verify or sum(len(self.verify[(n, k)]) for k in t_verify) < self.min_samples:
             return base
-        a, b = fit_verify_curve(t_plain, t_verify)
+        if max(t_verify) - min(t_verify) >= 2:
+            a, b = fit_verify_curve(t_plain, t_verify)
+        else:
+            a, b = narrow_verify_curve(t_plain, t_verify, base)
         c = base.cost_ratio
         steps = self.draft_step.get(n)
         if base.cost_ratio > 0 and steps and len(steps) >= self.min_samples:

@@ -20,6 +20,16 @@ from specbuild.engines.embedded.config import Policy
 from specbuild.engines.embedded.sequence import Sequence
 
 
+def verify_width(n: int, sent: list[int]) -> int:
+    """The K per sequence a verify of n sequences that were sent these drafts costs like: the mean, rounded half up,
+    at least 1 when anything was drafted (0: a plain step). A verify scores n + sum(sent) rows. Filed under the
+    longest draft instead, an n-gram step where one of 4 sequences proposed 6 tokens (10 rows) was priced as
+    K 6 at 4 sequences (28 rows), so the draft's adaptive K saw K 6-8 as cheap and chose K 8 there (AMD EPYC
+    Zen 4; bench/README.md, "2026-12-06 night")."""
+    total = sum(sent)
+    return 0 if total <= 0 else max(1, int(total / max(n, 1) + 0.5))
+
+
 class KPlanner:
     def __init__(self, *, calibration: dict | None, online_costs: bool):
         self.calibration = calibration
@@ -99,12 +109,13 @@ class KPlanner:
                 seqs[i].adaptive.history[-1:] = [ks[i]]
 
     def observe(self, n: int, seqs: list[Sequence], proposals: list, t_propose: float, t_score: float) -> None:
-        """A finished round's timings (online costs): draft steps are the longest draft-model proposal."""
+        """A finished round's timings (online costs): draft steps are the longest draft-model proposal; the verify
+        is filed under `verify_width`, the K per sequence whose n x (K + 1) rows it scored."""
         if self.online is None:
             return
         drafted = [len(p.token_ids) for s, p in zip(seqs, proposals) if p is not None and s.proposer == "draft"]
         sent = [len(p.token_ids) for p in proposals if p is not None]
-        self.online.observe(n, max(sent, default=0), max(drafted, default=0), t_propose, t_score)
+        self.online.observe(n, verify_width(n, sent), max(drafted, default=0), t_propose, t_score)
 
     def fold(self, s: Sequence) -> None:
         """A finished adaptive sequence moves its proposer's starting estimate toward its own acceptance."""
