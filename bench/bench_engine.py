@@ -1,7 +1,8 @@
 """`make bench`: the embedded engine against Hugging Face on SmolLM2-135M-Instruct, side by side, in one run.
 
 Measured in one process, in this order (medians over --runs runs x 3 prompts: chat / code / summarization):
-  memory bandwidth      sum over a 1 GiB fp32 tensor (read-only, like a decode step) -> roofline tok/s
+  memory bandwidth      sum over a 1 GiB fp32 tensor (read-only, like a decode step) -> roofline tok/s; again
+                        right before each spec-off run, and the share of the roofline is taken per such pair
   hf_generate           transformers `generate`, greedy, fp32
   hf_assisted           the same with `assistant_model` = the int4 self-draft (the same BlockLinear modules)
   engine off / draft / ngram   the embedded engine built by `specbuild build --draft-quantize int4` (the target's
@@ -73,6 +74,24 @@ def bandwidth_gbs(runs: int) -> dict:
     return {"read_gbs": nbytes / t_sum["sum"] / 1e9, "copy_gbs": 2 * nbytes / t_sum["copy"] / 1e9}
 
 
+class ReadProbe:
+    """The read bandwidth now: the median of 3 sums over 1 GiB of fp32 (~0.1 s), taken beside each spec-off decode
+    run. A shared VM's bandwidth moves with its neighbours (an AMD EPYC Zen 4 measured 49.4 GB/s at the start of a
+    run and 29-31 GB/s minutes later), so a roofline from one probe at the start can put the same step at 50 % or
+    at 85 %: the share is taken per pair, the probe and the decode run beside it."""
+
+    def __init__(self):
+        self.x = torch.ones(256 * 1024 * 1024)
+
+    def __call__(self) -> float:
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self.x.sum()
+            ts.append(time.perf_counter() - t0)
+        return self.x.numel() * 4 / statistics.median(ts) / 1e9
+
+
 def prompts(tokenizer) -> dict[str, list[int]]:
     chat = tokenizer.apply_chat_template([{"role": "user", "content": chat_prompts()[0]}], tokenize=False,
                                          add_generation_prompt=True)
@@ -114,14 +133,17 @@ def hf_models(model_dir: Path, k: int):
 
 
 def latency_runs(engine: Engine, hf_target, hf_draft, ids: dict, *, tokens: int, runs: int, k: int,
-                 k_ngram: int) -> dict:
+                 k_ngram: int, read_probe=None) -> dict:
     """Batch-1 tok/s of every method on every prompt. Interleaved: each run does every (prompt, method) once,
-    so a burst of load from other processes on the shared box hits all methods alike."""
+    so a burst of load from other processes on the shared box hits all methods alike. ``read_probe`` (-> GB/s)
+    runs right before each spec-off run; its figures land beside that run's (``read_gbs``)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine_modes = {"off": (0, None), "draft": (k, "draft"), "ngram": (k_ngram, "ngram")}
     hf_kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     out: dict = {m: {kind: {"tok_s": [], "decode_tok_s": [], "acc": [], "dr": []} for kind in ids}
                  for m in ("hf_generate", "hf_assisted", *engine_modes)}
+    for cell in out["off"].values():
+        cell["read_gbs"] = []
     for run in range(runs):
         for kind, prompt in ids.items():
             x = torch.tensor([prompt])
@@ -131,6 +153,8 @@ def latency_runs(engine: Engine, hf_target, hf_draft, ids: dict, *, tokens: int,
                     hf_target.generate(x, attention_mask=torch.ones_like(x), **hf_kw, **extra)
                     out[name][kind]["tok_s"].append(tokens / (time.perf_counter() - t0))
             for mode, (kk, proposer) in engine_modes.items():
+                if mode == "off" and read_probe is not None:
+                    out[mode][kind]["read_gbs"].append(read_probe())
                 t0 = time.perf_counter()
                 res = engine.generate(prompt, params, num_draft_tokens=kk, proposer=proposer)
                 cell, st = out[mode][kind], res.stats
@@ -154,22 +178,27 @@ def latency_runs(engine: Engine, hf_target, hf_draft, ids: dict, *, tokens: int,
 BATCHES = (1, 2, 4, 8)
 
 
-def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_ngram: int) -> tuple[dict, dict]:
+def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_ngram: int,
+               read_probe=None) -> tuple[dict, dict]:
     """Total tok/s with n concurrent sequences (continuous batching, speculation forced: no cut-off), interleaved
     over modes and n per run. Each (run, n, mode) is three batches, the n prompts drawn in turn from chat / code /
     summarization starting at each kind once: every n sees each prompt n times, so x1 and x8 do the same work per
     token (the chat prompt is 45 tokens, code and summarization 235-256: a batch of only the first prompts would
     favour x1). -> (medians of end-to-end tok/s, per-n detail: decode-only tok/s (from the last first token to the
     last token of each batch), the 8-vs-1 ratios taken within each run, per-run draft/off ratios and the draft's
-    per-position acceptance)."""
+    per-position acceptance; ``read_probe``'s GB/s before each n of each run: spec off is memory-bound and
+    speculation is not, so their ratio moves with the bandwidth of the moment)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     pool = list(ids.values())
     modes = {"off": (0, None), "draft": (k, "draft"), "policy": (ADAPTIVE_K, "draft"), "ngram": (k_ngram, "ngram")}
     samples: dict = {m: {n: [] for n in BATCHES} for m in modes}
     decode: dict = {m: {n: [] for n in BATCHES} for m in modes}
     acc: dict = {n: ([], []) for n in BATCHES}
+    read_gbs: dict = {n: [] for n in BATCHES}
     for run in range(runs):
         for n in BATCHES:
+            if read_probe is not None:
+                read_gbs[n].append(read_probe())
             for mode, (kk, proposer) in modes.items():
                 toks = dec_toks = 0
                 wall = span = 0.0
@@ -188,7 +217,7 @@ def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_n
                 samples[mode][n].append(toks / wall)
                 decode[mode][n].append(dec_toks / span if span > 0 else None)
             log(f"throughput run {run + 1}/{runs} x{n}: " + ", ".join(f"{m} {samples[m][n][-1]:.2f}" for m in modes)
-                + " tok/s")
+                + " tok/s" + (f" (read {read_gbs[n][-1]:.1f} GB/s before)" if read_gbs[n] else ""))
     detail = {n: {"decode_tok_s": {m: median(decode[m][n]) for m in modes},
                   "draft_decode_speedup": median([d / o for d, o in zip(decode["draft"][n], decode["off"][n])
                                                   if d and o]),
@@ -197,7 +226,8 @@ def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_n
                   "off_vs_x1": median([a / b for a, b in zip(samples["off"][n], samples["off"][1])]),
                   "off_decode_vs_x1": median([a / b for a, b in zip(decode["off"][n], decode["off"][1])
                                               if a and b]),
-                  "alpha": estimate_alpha(*acc[n]) if acc[n][1] else None} for n in BATCHES}
+                  "alpha": estimate_alpha(*acc[n]) if acc[n][1] else None,
+                  "read_gbs_by_run": read_gbs[n]} for n in BATCHES}
     return {m: {n: median(v) for n, v in row.items()} for m, row in samples.items()}, detail
 
 
@@ -285,10 +315,13 @@ def main(argv=None) -> int:
     log(f"decode step: {engine.decode_step}; memory bandwidth")
     bw = bandwidth_gbs(runs)
     hf_target, hf_draft = hf_models(Path(resolve(MODEL).path), k)
-    m = {"bw": bw, "lat": latency_runs(engine, hf_target, hf_draft, ids, tokens=tokens, runs=runs, k=k,
-                                       k_ngram=args.k_ngram),
+    read_probe = ReadProbe()
+    m = {"bw": bw, "read_probe": read_probe,
+         "lat": latency_runs(engine, hf_target, hf_draft, ids, tokens=tokens, runs=runs, k=k,
+                             k_ngram=args.k_ngram, read_probe=read_probe),
          "costs": step_costs(engine, k, runs), "thread": thread_costs(engine, runs)}
-    m["thr"], m["thr_detail"] = throughput(engine, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram)
+    m["thr"], m["thr_detail"] = throughput(engine, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram,
+                                           read_probe=m["read_probe"])
     log("step costs by concurrency (speculation efficiency)")
     m["eff"] = efficiency_by_concurrency(engine, m["thr_detail"], k=k, context=PROMPT_TOKENS + tokens // 2, runs=runs)
     result = summarize(engine, m, runs=runs, tokens=tokens, k=k, k_ngram=args.k_ngram, cal=cal)
@@ -310,7 +343,12 @@ def summarize(engine: Engine, m: dict, *, runs: int, tokens: int, k: int, k_ngra
         return median([x / y for kind in kinds for x, y in zip(lat[a][kind]["tok_s"], lat[b][kind]["tok_s"])])
     off_decode = med("off", "decode_tok_s")
     weight_bytes = engine.target.step_bytes()           # what a step streams (not the embedding table)
-    roofline = bw["read_gbs"] * 1e9 / weight_bytes
+    # the roofline beside each spec-off run (the probe right before it), and the share per pair
+    paired = [(d, g) for kind in KINDS for d, g in zip(lat["off"][kind]["decode_tok_s"], lat["off"][kind]["read_gbs"])
+              if d is not None]
+    read_paired = median([g for _, g in paired]) if paired else bw["read_gbs"]
+    roofline = read_paired * 1e9 / weight_bytes
+    share = median([d * weight_bytes / (g * 1e9) for d, g in paired]) if paired else off_decode / roofline
     alpha = median([lat["draft"][kind]["alpha"] for kind in KINDS])
     predicted = predicted_speedup(alpha, k, t_target=costs["target"], t_draft=costs["draft"],
                                   t_verify=costs["verify"])
@@ -321,11 +359,12 @@ def summarize(engine: Engine, m: dict, *, runs: int, tokens: int, k: int, k_ngra
         "decode_step": engine.decode_step, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "machine": describe(), "kernels": {"decode_step": engine.decode_step, "linear_kernel": linear_kernel_of(engine.target),
                     "fused_extension": fused_status()},
-        "memory_read_gbs": bw["read_gbs"], "memory_copy_gbs": bw["copy_gbs"], "target_weight_bytes": weight_bytes,
+        "memory_read_gbs": read_paired, "memory_read_gbs_at_start": bw["read_gbs"],
+        "memory_read_gbs_beside_decode": [g for _, g in paired], "memory_copy_gbs": bw["copy_gbs"], "target_weight_bytes": weight_bytes,
         "hf_generate_tok_s": med("hf_generate"), "hf_assisted_tok_s": med("hf_assisted"),
         "engine_tok_s": med("off"), "engine_draft_tok_s": med("draft"), "engine_ngram_tok_s": med("ngram"),
         "roofline_tok_s": roofline, "engine_vs_hf": ratio("off", "hf_generate"),
-        "engine_decode_tok_s": off_decode, "roofline_fraction": off_decode / roofline,
+        "engine_decode_tok_s": off_decode, "roofline_fraction": share,
         "draft_acceptance_rate": median([lat["draft"][kind]["acceptance_rate"] for kind in KINDS]),
         "draft_alpha": alpha, "draft_cost_ratio": costs["draft"] / costs["target"],
         "t_target_s": costs["target"], "t_draft_s": costs["draft"], "t_verify_s": costs["verify"],
@@ -345,7 +384,8 @@ def summarize(engine: Engine, m: dict, *, runs: int, tokens: int, k: int, k_ngra
 
 
 def print_table(r: dict) -> None:
-    rows = [("memory read bandwidth", f"{r['memory_read_gbs']:.1f} GB/s"),
+    rows = [("memory read bandwidth", f"{r['memory_read_gbs']:.1f} GB/s beside the decode runs "
+                                      f"({r['memory_read_gbs_at_start']:.1f} at the start)"),
             ("roofline (bytes a step reads / bandwidth)", f"{r['roofline_tok_s']:.1f} tok/s"),
             ("HF generate (greedy)", f"{r['hf_generate_tok_s']:.2f} tok/s"),
             ("HF assisted (int4 self-draft)", f"{r['hf_assisted_tok_s']:.2f} tok/s ({r['hf_assisted_speedup']:.2f}x)"),
