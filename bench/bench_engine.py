@@ -65,9 +65,8 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def bandwidth_gbs(runs: int) -> dict:
-    """Read bandwidth (sum of 1 GiB fp32) and copy bandwidth (1 GiB read + 1 GiB write), medians, GB/s."""
-    x = torch.ones(256 * 1024 * 1024)
+def bandwidth_gbs(runs: int, x: torch.Tensor) -> dict:
+    """Read bandwidth (sum of `x`, 1 GiB fp32) and copy bandwidth (1 GiB read + 1 GiB write), medians, GB/s."""
     y = torch.empty_like(x)
     t_sum = time_interleaved({"sum": lambda: x.sum(), "copy": lambda: y.copy_(x)}, reps=max(runs, 3), warmup=1)
     nbytes = x.numel() * 4
@@ -313,15 +312,14 @@ def main(argv=None) -> int:
     engine = Engine.from_build_dir(edir, threads=args.threads)   # every request below sends its K (forced)
     ids = prompts(engine.tokenizer)
     log(f"decode step: {engine.decode_step}; memory bandwidth")
-    bw = bandwidth_gbs(runs)
-    hf_target, hf_draft = hf_models(Path(resolve(MODEL).path), k)
     read_probe = ReadProbe()
-    m = {"bw": bw, "read_probe": read_probe,
-         "lat": latency_runs(engine, hf_target, hf_draft, ids, tokens=tokens, runs=runs, k=k,
-                             k_ngram=args.k_ngram, read_probe=read_probe),
+    bw = bandwidth_gbs(runs, read_probe.x)
+    hf_target, hf_draft = hf_models(Path(resolve(MODEL).path), k)
+    m = {"bw": bw, "lat": latency_runs(engine, hf_target, hf_draft, ids, tokens=tokens, runs=runs, k=k,
+                                       k_ngram=args.k_ngram, read_probe=read_probe),
          "costs": step_costs(engine, k, runs), "thread": thread_costs(engine, runs)}
     m["thr"], m["thr_detail"] = throughput(engine, ids, tokens=tokens, runs=runs, k=k, k_ngram=args.k_ngram,
-                                           read_probe=m["read_probe"])
+                                           read_probe=read_probe)
     log("step costs by concurrency (speculation efficiency)")
     m["eff"] = efficiency_by_concurrency(engine, m["thr_detail"], k=k, context=PROMPT_TOKENS + tokens // 2, runs=runs)
     result = summarize(engine, m, runs=runs, tokens=tokens, k=k, k_ngram=args.k_ngram, cal=cal)

@@ -119,8 +119,10 @@ def paired_ttft_ratio(off_cells: list[dict], cells: list[dict]) -> float:
     """Median over requests of off's TTFT ÷ this mode's, each request paired with the one of the same run, user
     and turn (so the same prompt: a prefill of 30 or 190 tokens is most of a TTFT). The cells' own medians were
     the medians of 2-8 requests and swung 0.81-1.09x between runs of the same code (AMD EPYC Zen 4)."""
-    ratios = [o[key] / x[key] for oc, c in zip(off_cells, cells)
-              for o, x in [(oc["ttft_by_request"], c["ttft_by_request"])] for key in o if key in x and x[key] > 0]
+    ratios = []
+    for off_cell, cell in zip(off_cells, cells):                  # one run each
+        off, mine = off_cell["ttft_by_request"], cell["ttft_by_request"]
+        ratios += [off[key] / mine[key] for key in off if mine.get(key, 0) > 0]
     return statistics.median(ratios)
 
 
