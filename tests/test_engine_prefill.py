@@ -276,3 +276,58 @@ def test_a_request_arriving_during_a_verify_streams_before_that_verify_ends(eng,
     sa, sb = sched.by_id[a], sched.by_id[b]
     drive(eng, lambda: sa.finished and sb.finished)
     assert sa.generated == plain[PROMPTS[1]] and sb.generated == plain[PROMPTS[2]]
+
+
+def test_a_request_arriving_during_a_draft_step_streams_before_that_step_ends(eng, plain, monkeypatch):
+    """A newcomer that arrives while the draft runs is prefilled between the draft step's pieces of layers (as
+    between the verify's), so its first token waits for a third of a draft step, not for all of it. The draft then
+    drafts its whole K (nothing waits any more); the prefill is left out of the draft time adaptive K learns from,
+    and both outputs stay the target's."""
+    from specbuild.engines.embedded import model as model_mod
+
+    monkeypatch.setattr(model_mod, "PIECES_MIN_BYTES", 0)                   # a tiny model runs whole otherwise
+    sched = eng.scheduler
+    a = eng.submit(PROMPTS[1], GREEDY, num_draft_tokens=4, on_output=lambda d: None)
+    sched.step()
+    log, box, pieces = [], {}, []
+    propose = sched.draft.propose
+
+    def arrive_during_draft(seqs, ks, stop_early=None, between=None):
+        assert between is not None
+
+        def hook():
+            pieces.append(len(pieces))
+            if "b" not in box:
+                box["b"] = eng.submit(PROMPTS[2], GREEDY, num_draft_tokens=4,
+                                      on_output=lambda d: log.append(("delta", d.request_id)))
+            between()
+        out = propose(seqs, ks, stop_early=stop_early, between=hook)
+        log.append(("propose returned", [len(p.token_ids) for p in out]))
+        return out
+
+    monkeypatch.setattr(sched.draft, "propose", arrive_during_draft)
+    observed = []
+    observe = sched.kplan.observe
+    monkeypatch.setattr(sched.kplan, "observe", lambda n, ss, pp, t_draft, t_verify: (
+        observed.append(t_draft), observe(n, ss, pp, t_draft, t_verify))[-1])
+    admit = sched._admit
+
+    def slow_admit(**kw):                                     # a slow prefill between the draft's pieces
+        if kw.get("catch_up") is False:
+            time.sleep(0.5)
+        return admit(**kw)
+
+    monkeypatch.setattr(sched, "_admit", slow_admit)
+    t0 = sched.clock()
+    sched.step()
+    took = sched.clock() - t0
+    b = box["b"]
+    # b's first token before the draft step it arrived in ended; a still drafted its 4 tokens
+    assert log[:2] == [("delta", b), ("propose returned", [4])], log
+    assert pieces[:3] == [0, 1, 2]                            # a draft step of the tiny model ran in 3 pieces
+    assert took >= 0.5 and observed and observed[-1] < took - 0.45        # the prefill is not the draft's time
+    monkeypatch.setattr(sched, "_admit", admit)
+    monkeypatch.setattr(sched.draft, "propose", propose)
+    sa, sb = sched.by_id[a], sched.by_id[b]
+    drive(eng, lambda: sa.finished and sb.finished)
+    assert sa.generated == plain[PROMPTS[1]] and sb.generated == plain[PROMPTS[2]]

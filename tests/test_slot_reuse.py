@@ -55,8 +55,8 @@ def test_abort_during_draft_does_not_corrupt_a_newcomer_in_the_freed_slot(tiny_l
     proposer = sched.draft
     real_propose = proposer.propose
 
-    def propose_then_client_gone(seqs, ks, stop_early=None):
-        props = real_propose(seqs, ks, stop_early=None)
+    def propose_then_client_gone(seqs, ks, stop_early=None, between=None):
+        props = real_propose(seqs, ks, stop_early=None, between=between)
         eng.abort(a)
         return props
 

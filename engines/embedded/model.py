@@ -245,8 +245,9 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
     logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None.
     between: on the fused step, and for a model whose step streams PIECES_MIN_BYTES or more, the layers run in
     PIECES pieces and `between()` is called after each (the last one before the lm_head): the scheduler
-    prefills a request that arrived during a verify there, so its first token does not wait for the whole verify. It may run other forwards over other slots of the same cache; the
-    rows here compute the same bits either way.
+    prefills a request that arrived during a verify or a draft step there, so its first token does not wait for
+    the whole forward. It may run other forwards over other slots of the same cache; the rows here compute the
+    same bits either way.
     """
     from specbuild.engines.embedded.step import runner_for
 

@@ -66,12 +66,16 @@ class DraftModelProposer(CachedRunner):
         self.shares_target_kv = shares_target_kv
 
     @torch.inference_mode()
-    def propose(self, seqs, ks: list[int], stop_early: Callable[[], bool] | None = None) -> list[Proposal]:
+    def propose(self, seqs, ks: list[int], stop_early: Callable[[], bool] | None = None,
+                between: Callable[[], None] | None = None) -> list[Proposal]:
         """Draft ks[i] tokens for seqs[i] (batched; rows leave the batch once they have their K).
 
         `stop_early()` is asked after each draft step: True (a new request can be admitted) ends drafting with
         what each row has (at least one token), so a newcomer's first token waits for one draft step and a
-        short verify, not a whole round. Proposing fewer tokens never changes the output (K may vary)."""
+        short verify, not a whole round. Proposing fewer tokens never changes the output (K may vary).
+        `between`: handed to each draft forward (`ragged_forward`): for a draft whose step streams
+        `model.PIECES_MIN_BYTES` or more, the scheduler admits a newcomer between a draft step's pieces, so it
+        waits for a third of a draft step, not for all of it."""
         out = [Proposal([]) for _ in seqs]
         live = [i for i, k in enumerate(ks) if k > 0]
         if not live:
@@ -85,7 +89,7 @@ class DraftModelProposer(CachedRunner):
         rows = [seqs[i].tokens[seqs[i].draft_len:] for i in live]
         starts = [seqs[i].draft_len for i in live]
         logits = ragged_forward(self.model, self.cache, [seqs[i].slot for i in live], starts, rows, "last",
-                                self.device)
+                                self.device, between=between)
         step = 0
         while True:
             self._pick(seqs, live, logits, drafted, probs)
@@ -95,7 +99,7 @@ class DraftModelProposer(CachedRunner):
                 break
             pos = [len(seqs[i].tokens) - 1 + step for i in live]
             logits = ragged_forward(self.model, self.cache, [seqs[i].slot for i in live], pos,
-                                    [[drafted[i][-1]] for i in live], "last", self.device)
+                                    [[drafted[i][-1]] for i in live], "last", self.device, between=between)
         for i in drafted:
             p = torch.stack(probs[i]) if probs[i] else None
             out[i] = Proposal(drafted[i], p)

@@ -2,8 +2,9 @@
 running sequence (`_round`: K per sequence, propose, score, accept, commit), then deliver what it produced.
 
 Requests join (admission, when a slot is free) and leave (stop, length, abort, timeout) between steps; a
-request that arrives mid-round is prefilled, and its first token streamed, after the draft step it interrupts
-or between the pieces of the verify (`_admit_arrivals`), without waiting for the round to end. Each
+request that arrives mid-round is prefilled, and its first token streamed, between the pieces of the draft step
+or of the verify it arrives in (`_admit_arrivals`), or after the draft step it interrupts, without waiting for
+the round to end. Each
 running sequence has its own K (0 = plain decoding) and proposer; drafting is batched per proposer and the target
 verifies every running sequence in one forward. `Engine.generate()`, `generate_batch()`, calibration, the
 benchmarks and the serving thread all run requests through this same `step()`.
@@ -143,15 +144,17 @@ class Scheduler:
         """One speculative round for every running sequence (gpt-fast's `speculative_decode`, batched)."""
         with self.lock:
             ks, cutoff = self.kplan.plan(seqs, self.policy)             # K per sequence; 0 = a plain step
+        admitted: list[float] = []      # seconds of prefill run between the draft's or the verify's pieces
         t0 = self.clock()
-        proposals = self._stage("propose", seqs, lambda ss, ix: self._propose(ss, [ks[i] for i in ix]))
+        proposals = self._stage("propose", seqs, lambda ss, ix: self._propose(ss, [ks[i] for i in ix], admitted))
         t1 = self.clock()
+        draft_s = t1 - t0 - sum(admitted)            # the draft's own time (adaptive K prices K with it)
         if self._drafted_with_model(seqs, ks) and self.admission.pending():
             # A request arrived while the draft ran (drafting stopped early for it): prefill it and stream its
             # first token now, before this round's verify, so it waits for at most one draft step — less than
             # the target step it would wait for without speculation. Its draft prefill is the next step's.
             self._admit(catch_up=False)
-        admitted: list[float] = []      # seconds of prefill run between the verify's pieces
+        admitted.clear()
         t1b = self.clock()
         # The target scores [last, d1..dK] of every sequence in one forward: logits [K_i + 1, V] each. A request
         # that arrives meanwhile is prefilled between the forward's pieces (`_admit_arrivals`), so its first
@@ -162,22 +165,26 @@ class Scheduler:
         t2 = self.clock()
         verify_s = t2 - t1b - sum(admitted)          # the verify's own time (adaptive K prices K with it)
         with self.lock:                                                  # metrics() reads the samples
-            self.kplan.observe(len(seqs), seqs, proposals, t1 - t0, verify_s)
+            self.kplan.observe(len(seqs), seqs, proposals, draft_s, verify_s)
         results = self._stage("accept", seqs, lambda ss, ix: accept_batch(
             ss, [proposals[i] for i in ix], [logits[i] for i in ix], self.acceptance_rule), skip=logits)
-        timings = {"propose": t1 - t0, "score": verify_s, "accept": self.clock() - t2}
+        timings = {"propose": draft_s, "score": verify_s, "accept": self.clock() - t2}
         with self.lock:
             for s, k, p, acc in zip(seqs, ks, proposals, results):
                 if not s.finished and acc is not None:     # else: aborted while the step ran, or failed alone
                     self._commit(s, k, p, acc, timings, cutoff)
 
     def _admit_arrivals(self, spent: list[float]) -> None:
-        """Between the pieces of a verify: prefill what `Admission.pending()` says can start now, and stream its
-        first token (its draft prefill is the next step's); appends the seconds it took to `spent`. Only in a
-        step that has fed no prompt yet (at its start or after the draft), so a step feeds no more prompt
-        chunks than before (one; two where drafting stopped early for a newcomer) and the running sequences'
-        next tokens wait for no more prefill. Its failures are its own requests' (`_admit` reports them, the
-        verify goes on)."""
+        """Between the pieces of a draft step or of the verify: prefill what `Admission.pending()` says can start
+        now, and stream its first token (its draft prefill is the next step's); appends the seconds it took to
+        `spent` (the draft's and the verify's own times leave them out). Only in a step that has fed no prompt
+        yet (at its start, between pieces, or after the draft), so a step feeds no more prompt chunks than before
+        (one; two where drafting stopped early for a newcomer) and the running sequences' next tokens wait for no
+        more prefill. At 8 closed-loop users most newcomers arrive during a draft step (they submit as the step
+        that finished their previous request ends): between its pieces they waited 2.4 ms (median) for their
+        prefill, against 9.2 ms at the draft step's end and 6.6 ms without speculation (AMD EPYC Zen 4;
+        bench/README.md, "2026-12-06 late"). Its failures are its own requests' (`_admit` reports them, the
+        round goes on)."""
         if self._fed_this_step or not self.admission.pending():
             return
         t = self.clock()
@@ -190,12 +197,13 @@ class Scheduler:
     def _drafted_with_model(self, seqs: list[Sequence], ks: list[int]) -> bool:
         return self.draft is not None and any(k > 0 and s.proposer == "draft" for s, k in zip(seqs, ks))
 
-    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def _propose(self, seqs: list[Sequence], ks: list[int], admitted: list[float]) -> list[Proposal]:
         out = [Proposal([]) for _ in seqs]
         d_idx = [i for i, s in enumerate(seqs) if ks[i] > 0 and s.proposer == "draft"]
         if d_idx:
             props = self.draft.propose([seqs[i] for i in d_idx], [ks[i] for i in d_idx],
-                                       stop_early=self.admission.pending)
+                                       stop_early=self.admission.pending,
+                                       between=lambda: self._admit_arrivals(admitted))
             for i, p in zip(d_idx, props):
                 out[i] = p
         for i, s in enumerate(seqs):
