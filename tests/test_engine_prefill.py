@@ -70,6 +70,30 @@ def drive(eng, until):
     return steps
 
 
+def step_with_a_slow_prefill(sched, monkeypatch, timed: str) -> tuple[float, list[float]]:
+    """One step in which every admission during the round first sleeps 0.5 s -> (the step's seconds, the draft or
+    verify times (`timed`) the step gave adaptive K's online costs)."""
+    observed: list[float] = []
+    observe, admit = sched.kplan.observe, sched._admit
+
+    def spy(n, seqs, proposals, t_draft, t_verify):
+        observed.append(t_draft if timed == "draft" else t_verify)
+        return observe(n, seqs, proposals, t_draft, t_verify)
+
+    def slow_admit(**kw):
+        if kw.get("catch_up") is False:
+            time.sleep(0.5)
+        return admit(**kw)
+
+    monkeypatch.setattr(sched.kplan, "observe", spy)
+    monkeypatch.setattr(sched, "_admit", slow_admit)
+    t0 = sched.clock()
+    sched.step()
+    took = sched.clock() - t0
+    monkeypatch.setattr(sched, "_admit", admit)
+    return took, observed
+
+
 def test_first_token_streams_after_prefill_before_any_draft_or_verify(eng, plain, monkeypatch):
     ev = Events(eng, monkeypatch)
     rid = eng.submit(PROMPTS[0], GREEDY, num_draft_tokens=4, on_output=ev.on_output)
@@ -251,28 +275,13 @@ def test_a_request_arriving_during_a_verify_streams_before_that_verify_ends(eng,
         return score(seqs, drafts, between=hook)
 
     monkeypatch.setattr(sched.scorer, "score", arrive_during_score)
-    observed = []
-    observe = sched.kplan.observe
-    monkeypatch.setattr(sched.kplan, "observe", lambda n, ss, pp, t_draft, t_verify: (
-        observed.append(t_verify), observe(n, ss, pp, t_draft, t_verify))[-1])
-    clock = sched.clock
-    admit = sched._admit
-    def slow_admit(**kw):                                     # a slow prefill between the verify's pieces
-        if kw.get("catch_up") is False:
-            time.sleep(0.5)
-        return admit(**kw)
-
-    monkeypatch.setattr(sched, "_admit", slow_admit)
-    t0 = clock()
-    sched.step()
-    took = clock() - t0
+    took, observed = step_with_a_slow_prefill(sched, monkeypatch, "verify")
     b = box["b"]
     kinds = [(kind, x.request_id if kind == "delta" else sorted(x)) for kind, x in ev.log[-3:]]
     # ... verify{a} (b submitted during it), b's first token before the verify's end, then a's tokens
     assert kinds == [("score", [a]), ("delta", b), ("delta", a)], kinds
     assert len(pieces) == 3
     assert took >= 0.5 and observed and observed[-1] < took - 0.45        # the prefill is not the verify's
-    monkeypatch.setattr(sched, "_admit", admit)
     sa, sb = sched.by_id[a], sched.by_id[b]
     drive(eng, lambda: sa.finished and sb.finished)
     assert sa.generated == plain[PROMPTS[1]] and sb.generated == plain[PROMPTS[2]]
@@ -306,27 +315,12 @@ def test_a_request_arriving_during_a_draft_step_streams_before_that_step_ends(en
         return out
 
     monkeypatch.setattr(sched.draft, "propose", arrive_during_draft)
-    observed = []
-    observe = sched.kplan.observe
-    monkeypatch.setattr(sched.kplan, "observe", lambda n, ss, pp, t_draft, t_verify: (
-        observed.append(t_draft), observe(n, ss, pp, t_draft, t_verify))[-1])
-    admit = sched._admit
-
-    def slow_admit(**kw):                                     # a slow prefill between the draft's pieces
-        if kw.get("catch_up") is False:
-            time.sleep(0.5)
-        return admit(**kw)
-
-    monkeypatch.setattr(sched, "_admit", slow_admit)
-    t0 = sched.clock()
-    sched.step()
-    took = sched.clock() - t0
+    took, observed = step_with_a_slow_prefill(sched, monkeypatch, "draft")
     b = box["b"]
     # b's first token before the draft step it arrived in ended; a still drafted its 4 tokens
     assert log[:2] == [("delta", b), ("propose returned", [4])], log
     assert pieces[:3] == [0, 1, 2]                            # a draft step of the tiny model ran in 3 pieces
     assert took >= 0.5 and observed and observed[-1] < took - 0.45        # the prefill is not the draft's time
-    monkeypatch.setattr(sched, "_admit", admit)
     monkeypatch.setattr(sched.draft, "propose", propose)
     sa, sb = sched.by_id[a], sched.by_id[b]
     drive(eng, lambda: sa.finished and sb.finished)
