@@ -80,11 +80,16 @@ def choose_k(alpha: float, cost: CostModel, max_k: int) -> int:
     return best_k
 
 
+def _verify_points(t_target: float, t_verify: dict[int, float]) -> list[tuple[int, float]]:
+    """(K, v(K) = t_verify[K] / t_target - 1) for each measured K >= 1, in K order."""
+    return [(k, t / t_target - 1.0) for k, t in sorted(t_verify.items()) if k >= 1 and t > 0]
+
+
 def fit_verify_curve(t_target: float, t_verify: dict[int, float]) -> tuple[float, float]:
     """Least-squares line v(K) = a + b*K through the measured t_verify[K] / t_target - 1 (K >= 1), with
     a, b >= 0: single timings on a shared machine are noisy, the line is not, and a verify over more
     positions is never cheaper."""
-    pts = [(k, t / t_target - 1.0) for k, t in sorted(t_verify.items()) if k >= 1 and t > 0]
+    pts = _verify_points(t_target, t_verify)
     if not pts:
         return DEFAULT_VERIFY
     if len(pts) == 1:
@@ -108,7 +113,7 @@ def narrow_verify_curve(t_target: float, t_verify: dict[int, float], base: CostM
     alone, one K gave b = 0 and every K was priced at that K's cost: after n-gram traffic had verified only K 1
     at 4 sequences, adaptive K chose K 8 there, a verify of 36 rows at 3.0 plain steps where K 1's cost 1.05
     (AMD EPYC Zen 4; bench/README.md, "2026-12-06 night")."""
-    pts = [(k, t / t_target - 1.0) for k, t in sorted(t_verify.items()) if k >= 1 and t > 0]
+    pts = _verify_points(t_target, t_verify)
     if not pts:
         return DEFAULT_VERIFY
     own = fit_verify_curve(t_target, t_verify)[1] if len(pts) >= 2 else 0.0

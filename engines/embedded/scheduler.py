@@ -144,17 +144,18 @@ class Scheduler:
         """One speculative round for every running sequence (gpt-fast's `speculative_decode`, batched)."""
         with self.lock:
             ks, cutoff = self.kplan.plan(seqs, self.policy)             # K per sequence; 0 = a plain step
-        admitted: list[float] = []      # seconds of prefill run between the draft's or the verify's pieces
+        admitted_drafting: list[float] = []      # seconds of prefill run between the draft steps' pieces
         t0 = self.clock()
-        proposals = self._stage("propose", seqs, lambda ss, ix: self._propose(ss, [ks[i] for i in ix], admitted))
+        proposals = self._stage("propose", seqs, lambda ss, ix: self._propose(ss, [ks[i] for i in ix],
+                                                                              admitted_drafting))
         t1 = self.clock()
-        draft_s = t1 - t0 - sum(admitted)            # the draft's own time (adaptive K prices K with it)
+        draft_s = t1 - t0 - sum(admitted_drafting)   # the draft's own time (adaptive K prices K with it)
         if self._drafted_with_model(seqs, ks) and self.admission.pending():
             # A request arrived while the draft ran (drafting stopped early for it): prefill it and stream its
             # first token now, before this round's verify, so it waits for at most one draft step — less than
             # the target step it would wait for without speculation. Its draft prefill is the next step's.
             self._admit(catch_up=False)
-        admitted.clear()
+        admitted: list[float] = []      # seconds of prefill run between the verify's pieces
         t1b = self.clock()
         # The target scores [last, d1..dK] of every sequence in one forward: logits [K_i + 1, V] each. A request
         # that arrives meanwhile is prefilled between the forward's pieces (`_admit_arrivals`), so its first
