@@ -47,7 +47,7 @@ demo:
 bench:
 	$(BIN)/python bench/bench_engine.py --runs 2 --out bench/results/engine.json
 	$(BIN)/python bench/bench_served.py --runs 2 --out bench/results/served.json
-	$(BIN)/python bench/bench_adaptive.py --runs 2 --out bench/results/adaptive.json
+	$(BIN)/python bench/bench_adaptive.py --runs 6 --out bench/results/adaptive.json
 
 # llama.cpp beside the engine on the same machine, model and precisions (needs `make llamacpp` once)
 bench-anchor:
