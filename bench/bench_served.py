@@ -13,9 +13,10 @@ Triton model runs it):
           default K sent explicitly)
 
 Every cell runs every mode back to back within one run (so a load burst on the shared machine hits all modes
-alike); ratios (off / mode for TTFT and e2e, mode / off for tok/s) are taken per run, then the median over
---runs runs; TTFT's is the median over requests of off's ÷ the mode's, each request paired with the one of the
-same run, user and turn (the same prompt): 3 requests per user and cell. Writes --out (JSON) and prints a table.
+alike; every other run in reverse order, so no mode always runs first, right after another cell); ratios (off /
+mode for TTFT and e2e, mode / off for tok/s) are taken per run, then the median over --runs runs; TTFT's is the
+median over requests of off's ÷ the mode's, each request paired with the one of the same run, user and turn (the
+same prompt): 3 requests per user and cell. Writes --out (JSON) and prints a table.
 
     .venv/bin/python bench/bench_served.py --quick --out bench/results/served.json
 """
@@ -166,14 +167,15 @@ def main(argv=None) -> int:
         raw["batch"] = {m: [] for m in MODES}
         cells = len(CHAT_USERS) + 1
         for r in range(runs):
+            order = MODES if r % 2 == 0 else MODES[::-1]     # every other run in reverse: no mode always goes first
             for i, u in enumerate(CHAT_USERS):
-                for m in MODES:
+                for m in order:
                     res = chat_cell(engine, prompts, users=u, per_user=per_user, tokens=tokens, k=mode_k(m, forced_k))
                     raw[f"chat{u}"][m].append(res)
                 log(f"run {r + 1}/{runs} cell {i + 1}/{cells} chat x{u}: " + ", ".join(
                     f"{m} ttft {raw[f'chat{u}'][m][-1]['ttft'] * 1e3:.0f} ms e2e {raw[f'chat{u}'][m][-1]['e2e']:.2f} s"
                     for m in MODES))
-            for m in MODES:
+            for m in order:
                 raw["batch"][m].append(batch_cell(engine, prompts, users=BATCH_USERS, tokens=btokens,
                                                   k=mode_k(m, forced_k)))
             log(f"run {r + 1}/{runs} cell {cells}/{cells} batch x{BATCH_USERS}: "
