@@ -105,21 +105,46 @@ def test_speculation_is_lossless_through_the_server(running_server, reference):
 
 def test_16_concurrent_streams_interleave(running_server, reference):
     """A long non-streaming "anchor" request occupies the engine while 15 streams arrive: with continuous
-    batching all of them finish before the anchor does (served one at a time, none would). The anchor
-    does not stream, so it adds no response traffic that would slow the others' admission."""
+    batching the streams sent while it runs finish before it does (served one at a time, none would). The anchor
+    does not stream, so it adds no response traffic that would slow the others' admission. Only streams sent
+    before the anchor ended can show it: on a loaded machine the client may send them late, and then the round
+    is run again (a precondition of the client's timing, not a tolerance on the server's)."""
+    n = 15
+    for _ in range(3):
+        anchor, results = _anchor_and_streams(running_server, n)
+        sent = [g for g in results if g.sent_at < anchor["done"]]
+        if len(sent) >= n // 2:
+            break
+    else:
+        pytest.fail(f"the 1000-token anchor ended before half of the {n} streams were sent, 3 times; sent at "
+                    f"{sorted(round(g.sent_at - anchor['done'], 3) for g in results)} s from its end")
+    # batched output is the same as each prompt alone
+    for i, gen in enumerate(results):
+        assert "".join(gen.chunks) == reference[PROMPTS[i % 4]]
+    # Served one at a time, no stream would end before the anchor; under continuous batching those sent while it
+    # ran end beside it. (Not all: on a loaded 2-core box the last ones may be admitted as the anchor ends.)
+    ends = sorted(round(g.sent_at + g.arrivals[-1] - anchor["done"], 3) for g in sent)
+    beside = sum(e < 0 for e in ends)
+    assert beside >= len(sent) // 2, (f"only {beside} of the {len(sent)} streams sent while the anchor ran ended "
+                                      f"beside it; their ends relative to the anchor's (s): {ends}")
+    m = wait_metrics(running_server, lambda m: metric(m, "specbuild_max_running_requests") >= 2,
+                     "a running batch > 1")
+    assert metric(m, "specbuild_max_running_requests") >= 2
+
+
+def _anchor_and_streams(srv, n: int) -> tuple[dict, list]:
+    """The anchor (1000 tokens, not streamed) and, once it runs, n streams released together -> (anchor, streams)."""
     anchor: dict = {}
 
     def run_anchor():
-        anchor["gen"] = client(running_server, contract.SPECULATIVE_MODEL).generate(
-            PROMPTS[0], max_tokens=1000, min_tokens=1000)
+        anchor["gen"] = client(srv, contract.SPECULATIVE_MODEL).generate(PROMPTS[0], max_tokens=1000,
+                                                                          min_tokens=1000)
         anchor["done"] = time.perf_counter()
 
     anchor_thread = threading.Thread(target=run_anchor)
     anchor_thread.start()
-    wait_metrics(running_server, lambda m: metric(m, "specbuild_running_requests") >= 1, "the anchor running")
+    wait_metrics(srv, lambda m: metric(m, "specbuild_running_requests") >= 1, "the anchor running")
     assert "done" not in anchor, "the anchor finished before the test could start the others"
-
-    n = 15
     barrier = threading.Barrier(n)
     results: list = [None] * n
     errors: list = []
@@ -127,8 +152,7 @@ def test_16_concurrent_streams_interleave(running_server, reference):
     def one(i):
         try:
             barrier.wait(timeout=60)
-            model = contract.CLIENT_MODELS[i % 2]
-            results[i] = client(running_server, model).generate_stream(PROMPTS[i % 4], **GEN)
+            results[i] = client(srv, contract.CLIENT_MODELS[i % 2]).generate_stream(PROMPTS[i % 4], **GEN)
         except Exception as e:  # surfaced below
             errors.append(e)
 
@@ -138,17 +162,8 @@ def test_16_concurrent_streams_interleave(running_server, reference):
     for t in [*threads, anchor_thread]:
         t.join(timeout=300)
     assert not errors, errors
-    # batched output is the same as each prompt alone
-    for i, gen in enumerate(results):
-        assert "".join(gen.chunks) == reference[PROMPTS[i % 4]]
-    # Served one at a time, no stream would end before the anchor; under continuous batching they run
-    # beside it. (Not all: on a loaded 2-core box the last ones may be admitted as the anchor ends.)
-    ends = sorted(g.sent_at + g.arrivals[-1] - anchor["done"] for g in results)
-    beside = sum(e < 0 for e in ends)
-    assert beside >= n // 2, f"only {beside} streams ran beside the anchor; ends relative to the anchor's: {ends}"
-    m = wait_metrics(running_server, lambda m: metric(m, "specbuild_max_running_requests") >= 2,
-                     "a running batch > 1")
-    assert metric(m, "specbuild_max_running_requests") >= 2
+    assert "done" in anchor, "the anchor did not finish"
+    return anchor, results
 
 
 def test_metrics_present_and_moving(running_server):
