@@ -183,12 +183,11 @@ def held_out_ratio(runs: dict[str, list[float]], cell: str, fixed: list[str]) ->
     same runs favours the fixed K whose runs happened to be fast: at batch 1 here K 4 / 6 / 8 are within a few
     per cent, and one run of a cell moves 5-10 % (bench/README.md, "2026-12-07")."""
     n = len(runs[cell])
-    if n < 2:
-        best = max(fixed, key=lambda f: runs[f][0])
-        return {"ratio": runs[cell][0] / runs[best][0], "per_run": [runs[cell][0] / runs[best][0]], "chosen": [best]}
     per_run, chosen = [], []
     for r in range(n):
-        best = max(fixed, key=lambda f: statistics.median(x for i, x in enumerate(runs[f]) if i != r))
+        # one run alone has no others to choose on: its own best
+        others = [i for i in range(n) if i != r] or [r]
+        best = max(fixed, key=lambda f: statistics.median(runs[f][i] for i in others))
         per_run.append(runs[cell][r] / runs[best][r])
         chosen.append(best)
     return {"ratio": statistics.median(per_run), "per_run": per_run, "chosen": chosen}

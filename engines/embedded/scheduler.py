@@ -4,9 +4,8 @@ running sequence (`_round`: K per sequence, propose, score, accept, commit), the
 Requests join (admission, when a slot is free) and leave (stop, length, abort, timeout) between steps; a
 request that arrives mid-round is prefilled, and its first token streamed, between the pieces of the draft step
 or of the verify it arrives in (`_admit_arrivals`), or after the draft step it interrupts, without waiting for
-the round to end. Each
-running sequence has its own K (0 = plain decoding) and proposer; drafting is batched per proposer and the target
-verifies every running sequence in one forward. `Engine.generate()`, `generate_batch()`, calibration, the
+the round to end. Each running sequence has its own K (0 = plain decoding) and proposer; drafting is batched per
+proposer and the target verifies every running sequence in one forward. `Engine.generate()`, `generate_batch()`, calibration, the
 benchmarks and the serving thread all run requests through this same `step()`.
 
 The jobs live in their own modules: admission (waiting queue, limits, deadlines, prefill chunks:
