@@ -220,6 +220,28 @@ def test_fused_rows_do_not_depend_on_who_shares_the_batch(tiny_llama):
 
 
 @needs_ext
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_llama_draft", "tiny_qwen2"])
+def test_a_verify_gives_each_row_the_bits_of_decoding_it_alone(arch, request):
+    """Lossless speculation rests on this: the rows of one sequence scored in one forward (a verify of K + 1, here
+    20 rows: more queries than one attention segment holds, over more positions than one block) are bitwise the
+    rows that decoding them one per forward gives, and they leave the same K/V in the cache."""
+    from specbuild.engines.embedded.step import pack_linears_
+
+    model = load_model(request.getfixturevalue(arch), dtype="float32")
+    pack_linears_(model)
+    a, b = _cache(model, "fused"), _cache(model, "fused")
+    ctx = [(7 * i) % 50 + 3 for i in range(40)]
+    rows = [(5 * i) % 40 + 2 for i in range(20)]
+    for c in (a, b):
+        ragged_forward(model, c, [0, 1], [0, 0], [ctx, ctx[:9]], "none")
+    together = ragged_forward(model, a, [0, 1], [40, 9], [rows, [4]], "all")
+    alone = [ragged_forward(model, b, [0], [40 + i], [[t]], "all") for i, t in enumerate(rows)]
+    assert torch.equal(together[:20], torch.cat(alone))
+    for ka, kb in zip(a.k + a.v, b.k + b.v):
+        assert torch.equal(ka[0], kb[0])
+
+
+@needs_ext
 def test_a_forward_in_pieces_with_another_prefill_between_gives_the_same_bits(tiny_llama, monkeypatch):
     """`ragged_forward(between=...)` runs the layers in pieces and calls `between` after each (the scheduler
     prefills a newcomer there, into another slot of the same cache): the rows and the cache they write are

@@ -913,16 +913,24 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
   return l;
 }
 
-// o[0 .. 8 NV) = inv * sum_p sc[p] * v[p * ld + ..]: each element summed over p in order, NV independent chains
+// n floats from p into L2, a 64-byte line at a time (n <= 0: nothing; prefetches never fault): the next block of K
+// or V rows while a segment's queries use this one. Into L1 instead, the draft step at 1 row / context 300 ran
+// 1.04x slower than with no prefetch; into L2, 0.95x (AMD EPYC Zen 4, 15 interleaved; bench/README.md "2026-12-07 late")
+inline void prefetch_rows(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
+}
+
+// o[0 .. 8 NV) += sum_p sc[p] * v[p * ld + ..]: each element summed over p in order (on from what o holds), NV
+// independent chains
 template <int NV>
-inline void weigh_values(const float* sc, int64_t n, const float* v, int64_t ld, __m256 inv, float* o) {
+inline void add_values(const float* sc, int64_t n, const float* v, int64_t ld, float* o) {
   __m256 acc[NV];
-  for (int j = 0; j < NV; j++) acc[j] = _mm256_setzero_ps();
+  for (int j = 0; j < NV; j++) acc[j] = _mm256_loadu_ps(o + 8 * j);
   for (int64_t p = 0; p < n; p++) {
     const __m256 sp = _mm256_set1_ps(sc[p]);
     for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(sp, _mm256_loadu_ps(v + p * ld + 8 * j), acc[j]);
   }
-  for (int j = 0; j < NV; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv));
+  for (int j = 0; j < NV; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
 }
 
 inline void rms_norm_rows(const float* x, const float* w, float* out, int64_t N, int64_t H, double eps) {
@@ -940,15 +948,16 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-// Attention's split: units of (row, head) over the threads once a step scores more than ATT_SERIAL_WORK
+// Attention's split: queries (row, head) over the threads once a step scores more than ATT_SERIAL_WORK
 // (positions x heads; the pool's workers spin, so a fork costs ~1 us, ~60 positions' scores). At 2048 a 1-row
 // step at context 200 (1809) ran its 30 layers' attention on one thread: an int4 draft step 6.94 -> 6.29 ms on an
-// Intel Xeon (2 threads) with 256. ATT_PREFETCH: how many positions ahead of its scores a kv group's first head
-// prefetches the K and V rows into L2 (32 = 8 KB at head_dim 64); with the 8-at-a-time scores, the same draft step
-// at 8 rows and context 200 16.85 -> 15.94 ms, at 4 rows 11.07 -> 10.48 (median of 15 interleaved; bench/README.md
-// "2026-12-06 early").
+// Intel Xeon (2 threads) with 256. The queries that read one K/V run as a segment (`Runner::segment`), ATT_BLOCK
+// positions at a time: one query at a time, with the kv group's first head prefetching 32 positions ahead into
+// L2, a verify of 4 sequences x 9 rows at context 600 took 1.10-1.14x as long (the target's step; AMD EPYC Zen 4,
+// bench/README.md "2026-12-07 late").
 constexpr int64_t ATT_SERIAL_WORK = 256;
-constexpr int64_t ATT_PREFETCH = 32;
+constexpr int64_t ATT_BLOCK = 32;         // positions of K or V a segment's queries share from L1 (8 KB at hd 64)
+constexpr int64_t ATT_SEGMENT = 32;       // queries at most in one segment (their scores: 32 x context floats)
 
 class Runner {
  public:
@@ -1061,6 +1070,12 @@ class Runner {
   }
 
   // att[r, h] = softmax(q_rh . K[slot_r, h/g, 0..pos_r] / sqrt(hd)) . V[...]  (GQA: g = nh / nkv)
+  //
+  // A query is a (row, head). Queries that read the same K/V (the rows of one sequence, a verify's K + 1 or a
+  // prefill's, times the heads of one kv group) run as a segment: ATT_BLOCK positions of K, then of V, are loaded
+  // once into L1 and every query of the segment uses them, where one query at a time streamed them from L2 once
+  // per query. Each query's arithmetic is what it was alone (its scores, max, exp-sum and the V sum in position
+  // order), so a row's bits do not depend on the rows beside it.
   void attention(const torch::Tensor& qkv, const int64_t* sl, const int64_t* ps, int64_t N,
                  const torch::Tensor& kcache, const torch::Tensor& vcache, torch::Tensor& att) const {
     const int64_t width = (nh + 2 * nkv) * hd, S = kcache.size(2), group = nh / nkv;
@@ -1069,65 +1084,97 @@ class Runner {
     const float* vp = vcache.data_ptr<float>();
     float* out = att.data_ptr<float>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    int64_t work = 0;
+    // queries in the order (rows of one slot, kv group, row, head): a thread's chunk then holds whole segments
+    std::vector<int64_t> qrow(N * nh), qhead(N * nh);
+    int64_t t = 0, work = 0;
+    for (int64_t r0 = 0; r0 < N;) {
+      int64_t r1 = r0 + 1;
+      while (r1 < N && sl[r1] == sl[r0]) r1++;
+      for (int64_t g = 0; g < nkv; g++)
+        for (int64_t r = r0; r < r1; r++)
+          for (int64_t h = g * group; h < (g + 1) * group; h++, t++) qrow[t] = r, qhead[t] = h;
+      r0 = r1;
+    }
     for (int64_t r = 0; r < N; r++) work += (ps[r] + 1) * nh;
     const int64_t grain = work > ATT_SERIAL_WORK ? 1 : N * nh;     // small steps: no thread fork/join
     parallel_for(0, N * nh, grain, [&](int64_t t0, int64_t t1) {
-      std::vector<float> sc(S + 8);
-      for (int64_t t = t0; t < t1; t++) {
-        const int64_t r = t / nh, h = t % nh, kvh = h / group, n = ps[r] + 1;
-        const float* q = qb + r * width + h * hd;
-        const float* kr = kp + ((sl[r] * nkv + kvh) * S) * hd;
-        const float* vr = vp + ((sl[r] * nkv + kvh) * S) * hd;
-        // scores 8 positions at a time (dot8x8: the same bits as one by one); the kv group's first head fetches
-        // its K and V rows ATT_PREFETCH positions ahead into L2 meanwhile
-        __m256 mxv8 = _mm256_set1_ps(-INFINITY);
-        const __m256 scale8 = _mm256_set1_ps(scale);
-        int64_t p0 = 0;
-        for (; p0 + 8 <= n; p0 += 8) {
-          if (h % group == 0) {                             // the group's other heads find them in L2
-            const float* kf = kr + (p0 + ATT_PREFETCH) * hd;
-            const float* vf = vr + (p0 + ATT_PREFETCH) * hd;
-            for (int64_t i = 0; i < 8 * hd; i += 16) {      // one 64-byte line each (prefetches never fault)
-              _mm_prefetch(reinterpret_cast<const char*>(kf + i), _MM_HINT_T1);
-              _mm_prefetch(reinterpret_cast<const char*>(vf + i), _MM_HINT_T1);
-            }
-          }
-          const __m256 s8 = _mm256_mul_ps(dot8x8(q, kr + p0 * hd, hd, hd), scale8);
-          _mm256_storeu_ps(sc.data() + p0, s8);
-          mxv8 = _mm256_max_ps(mxv8, s8);
-        }
-        alignas(32) float m8[8];
-        _mm256_store_ps(m8, mxv8);
-        float mx = -INFINITY;
-        for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
-        for (int64_t p = p0; p < n; p++) {
-          sc[p] = dot8(q, kr + p * hd, hd) * scale;
-          mx = sc[p] > mx ? sc[p] : mx;
-        }
-        const int64_t n8 = (n + 7) / 8 * 8;
-        for (int64_t p = n; p < n8; p++) sc[p] = -INFINITY;            // exp -> 0: the tail adds nothing
-        __m256 sumv = _mm256_setzero_ps();
-        const __m256 mxv = _mm256_set1_ps(mx);
-        for (int64_t p = 0; p < n8; p += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.data() + p), mxv));
-          _mm256_storeu_ps(sc.data() + p, e);
-          sumv = _mm256_add_ps(sumv, e);
-        }
-        const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sumv));
-        float* o = out + r * nh * hd + h * hd;
-        // each output element sums over p in order; the hd / 8 vectors of a V row are independent chains, run
-        // together (one chain at a time waited on the fma latency at every position)
+      for (int64_t a = t0; a < t1;) {
+        const int64_t slot = sl[qrow[a]], kvh = qhead[a] / group;
+        int64_t b = a + 1;
+        while (b < t1 && b - a < ATT_SEGMENT && sl[qrow[b]] == slot && qhead[b] / group == kvh) b++;
+        segment(qb, width, kp + (slot * nkv + kvh) * S * hd, vp + (slot * nkv + kvh) * S * hd, scale, ps,
+                qrow.data() + a, qhead.data() + a, b - a, out);
+        a = b;
+      }
+    });
+  }
+
+  // Q queries over one K/V (kr, vr: [S, hd]): scores, softmax and the weighted V sum, a block of positions at a time
+  void segment(const float* qb, int64_t width, const float* kr, const float* vr, float scale, const int64_t* ps,
+               const int64_t* qrow, const int64_t* qhead, int64_t Q, float* out) const {
+    int64_t nmax = 0;
+    for (int64_t q = 0; q < Q; q++) nmax = std::max(nmax, ps[qrow[q]] + 1);
+    const int64_t ld = (nmax + 7) / 8 * 8;                          // one query's scores, padded to 8
+    static thread_local std::vector<float> sbuf, abuf;
+    if (static_cast<int64_t>(sbuf.size()) < Q * ld) sbuf.resize(Q * ld);
+    if (static_cast<int64_t>(abuf.size()) < Q * hd) abuf.resize(Q * hd);
+    float* sc = sbuf.data();
+    float* acc = abuf.data();
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    // scores: 8 positions at a time (dot8x8: the same bits as one by one), the rest one by one
+    for (int64_t p0 = 0; p0 < nmax; p0 += ATT_BLOCK) {
+      prefetch_rows(kr + (p0 + ATT_BLOCK) * hd, std::min(ATT_BLOCK, nmax - p0 - ATT_BLOCK) * hd);
+      for (int64_t q = 0; q < Q; q++) {
+        const int64_t e = std::min(p0 + ATT_BLOCK, ps[qrow[q]] + 1);
+        const float* qv = qb + qrow[q] * width + qhead[q] * hd;
+        float* s = sc + q * ld;
+        int64_t p = p0;
+        for (; p + 8 <= e; p += 8) _mm256_storeu_ps(s + p, _mm256_mul_ps(dot8x8(qv, kr + p * hd, hd, hd), scale8));
+        for (; p < e; p++) s[p] = dot8(qv, kr + p * hd, hd) * scale;
+      }
+    }
+    // softmax's numerator in place (exp(s - max), 0 past the query's positions) and 1 / its sum, per query
+    std::vector<float> inv(Q);
+    for (int64_t q = 0; q < Q; q++) {
+      const int64_t n = ps[qrow[q]] + 1, n8 = (n + 7) / 8 * 8;
+      float* s = sc + q * ld;
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < n; p++) mx = s[p] > mx ? s[p] : mx;
+      for (int64_t p = n; p < n8; p++) s[p] = -INFINITY;            // exp -> 0: the tail adds nothing
+      __m256 sumv = _mm256_setzero_ps();
+      const __m256 mxv = _mm256_set1_ps(mx);
+      for (int64_t p = 0; p < n8; p += 8) {
+        const __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), mxv));
+        _mm256_storeu_ps(s + p, ev);
+        sumv = _mm256_add_ps(sumv, ev);
+      }
+      inv[q] = 1.0f / hsum8(sumv);
+      std::fill(acc + q * hd, acc + (q + 1) * hd, 0.0f);
+    }
+    // V: each output element sums over p in order; the hd / 8 vectors of a V row are independent chains
+    for (int64_t p0 = 0; p0 < nmax; p0 += ATT_BLOCK) {
+      prefetch_rows(vr + (p0 + ATT_BLOCK) * hd, std::min(ATT_BLOCK, nmax - p0 - ATT_BLOCK) * hd);
+      for (int64_t q = 0; q < Q; q++) {
+        const int64_t e = std::min(p0 + ATT_BLOCK, ps[qrow[q]] + 1);
+        if (e <= p0) continue;
+        const float* s = sc + q * ld;
+        float* o = acc + q * hd;
         for (int64_t i0 = 0; i0 < hd; i0 += 64) {
           switch (std::min<int64_t>(8, (hd - i0) / 8)) {      // hd % 16 == 0: 2, 4, 6 or 8 vectors
-            case 2: weigh_values<2>(sc.data(), n, vr + i0, hd, inv, o + i0); break;
-            case 4: weigh_values<4>(sc.data(), n, vr + i0, hd, inv, o + i0); break;
-            case 6: weigh_values<6>(sc.data(), n, vr + i0, hd, inv, o + i0); break;
-            default: weigh_values<8>(sc.data(), n, vr + i0, hd, inv, o + i0); break;
+            case 2: add_values<2>(s + p0, e - p0, vr + p0 * hd + i0, hd, o + i0); break;
+            case 4: add_values<4>(s + p0, e - p0, vr + p0 * hd + i0, hd, o + i0); break;
+            case 6: add_values<6>(s + p0, e - p0, vr + p0 * hd + i0, hd, o + i0); break;
+            default: add_values<8>(s + p0, e - p0, vr + p0 * hd + i0, hd, o + i0); break;
           }
         }
       }
-    });
+    }
+    for (int64_t q = 0; q < Q; q++) {
+      const __m256 iv = _mm256_set1_ps(inv[q]);
+      const float* o = acc + q * hd;
+      float* dst = out + qrow[q] * nh * hd + qhead[q] * hd;
+      for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), iv));
+    }
   }
 };
 
