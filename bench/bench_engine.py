@@ -220,6 +220,8 @@ def throughput(engine: Engine, ids: dict, *, tokens: int, runs: int, k: int, k_n
     detail = {n: {"decode_tok_s": {m: median(decode[m][n]) for m in modes},
                   "draft_decode_speedup": median([d / o for d, o in zip(decode["draft"][n], decode["off"][n])
                                                   if d and o]),
+                  "policy_decode_speedup": median([d / o for d, o in zip(decode["policy"][n], decode["off"][n])
+                                                   if d and o]),
                   "draft_speedup": median([d / o for d, o in zip(samples["draft"][n], samples["off"][n])]),
                   "policy_speedup": median([d / o for d, o in zip(samples["policy"][n], samples["off"][n])]),
                   "off_vs_x1": median([a / b for a, b in zip(samples["off"][n], samples["off"][1])]),
@@ -414,9 +416,11 @@ def print_table(r: dict) -> None:
     for mode, row in thr.items():
         print(f"    {mode:<16}" + "  ".join(f"{row[n]:8.2f}" for n in (1, 2, 4, 8)))
     det = r["throughput_detail"]
-    for key, name in (("draft_speedup", f"draft K {r['k']} / off"), ("policy_speedup", "policy / off")):
-        print(f"    {name:<16}" + "  ".join(f"{det[n][key]:7.2f}x" for n in (1, 2, 4, 8))
-              + "   (median of per-run ratios)")
+    for key, name in (("draft_speedup", f"draft K {r['k']} / off"), ("policy_speedup", "policy / off"),
+                      ("draft_decode_speedup", "  decode only"), ("policy_decode_speedup", "  policy decode")):
+        if all(det[n].get(key) for n in (1, 2, 4, 8)):         # (a JSON of an older bench has no policy decode)
+            print(f"    {name:<16}" + "  ".join(f"{det[n][key]:7.2f}x" for n in (1, 2, 4, 8))
+                  + "   (median of per-run ratios" + (", after the first tokens)" if "decode" in key else ")"))
     eff = r["spec_efficiency_by_concurrency"]
     print("  spec efficiency    " + "  ".join(f"{(eff[n]['efficiency'] or 0):8.2f}" for n in (1, 2, 4, 8))
           + "   (measured decode speedup / predicted from alpha, c(n), verify(n))")
