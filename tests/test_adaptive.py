@@ -17,7 +17,8 @@ from specbuild.engines.embedded.config import ADAPTIVE_K
 from specbuild.engines.embedded.adaptive import (AcceptanceTracker, AdaptivePolicy, CostModel,
                                                  choose_batch_k, choose_k, concurrency_costs, cost_models,
                                                  cutoff_from_speedups,
-                                                 expected_tokens, fit_verify_curve, predicted_speedup, prior_alphas)
+                                                 expected_tokens, fit_verify_curve, predicted_speedup, prior_alphas,
+                                                 prior_strength)
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -97,6 +98,48 @@ def test_a_step_of_n_sequences_is_priced_with_the_times_measured_nearest_n():
     assert cost_models(cal, 4)["ngram"].cost_ratio == 0.0
     ks = [choose_k(0.9, cost_models(cal, n)["draft"], 8) for n in (1, 2, 4, 8)]
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
+
+
+def test_prior_strength_follows_how_alike_finished_sequences_accepted():
+    """Empirical Bayes: sequences that accepted alike make the starting estimate firm (at most 16 trials); a mix of
+    fitting and unfitting ones leaves it at the policy's 4; too few sequences say nothing yet."""
+    policy = AdaptivePolicy()
+    alike = [(15, 16), (14, 16), (16, 17), (15, 16), (13, 15), (16, 16), (15, 16), (14, 15)]
+    assert prior_strength(alike) == 16.0
+    mixed = alike[:4] + [(1, 8), (0, 6), (2, 9), (1, 7)]
+    assert prior_strength(mixed) == policy.prior_strength
+    assert prior_strength(alike[:7]) == policy.prior_strength
+    # in between: rates of 0.70 and 0.95 over 200 trials each, far more spread than 200 trials explain (s ~ 7.4)
+    between = [(140, 200), (190, 200)] * 4
+    assert policy.prior_strength < prior_strength(between) < 16.0
+
+
+def test_a_firm_start_survives_an_early_rejection_and_the_planner_learns_it():
+    """With 16 trials behind it, a first-round rejection moves 0.96 to 0.90 (not 0.77), and adaptive K stays high;
+    the planner hands new trackers that strength once its finished sequences accepted alike."""
+    from types import SimpleNamespace
+
+    from specbuild.engines.embedded.kplan import KPlanner
+
+    cost = cost_models(CALIBRATION)["draft"]
+    weak, firm = AcceptanceTracker(0.96), AcceptanceTracker(0.96, strength=16.0)
+    for tr in (weak, firm):
+        tr.observe(8, 0)
+    assert weak.alpha == pytest.approx(0.96 * 4 / 5) and firm.alpha == pytest.approx(0.96 * 16 / 17)
+    assert choose_k(firm.alpha, cost, 8) > choose_k(weak.alpha, cost, 8)
+    # the forgetting floor: min(min_weight, 1 / 32) once 2 x 16 trials are in
+    for _ in range(40):
+        firm.observe(1, 1)
+    before = firm.alpha
+    firm.observe(1, 0)
+    assert firm.alpha == pytest.approx(before - before / 32)
+    kp = KPlanner(calibration=CALIBRATION, online_costs=False)
+    assert kp.tracker("draft").strength == AdaptivePolicy().prior_strength
+    for a, n in [(15, 16)] * 8:
+        tr = AcceptanceTracker(0.9)
+        tr.observe(n, a)
+        kp.fold(SimpleNamespace(adaptive=tr, proposer="draft"))
+    assert kp.tracker("draft").strength == 16.0 and kp.tracker("ngram").strength == AdaptivePolicy().prior_strength
 
 
 def test_the_planner_prices_each_step_at_its_own_concurrency():
@@ -188,6 +231,7 @@ def test_adaptive_is_lossless_and_turns_an_unrelated_draft_off(eng, plain, monke
     steps = zeros = 0
     for p in PROMPTS:
         eng.scheduler.kplan.alpha_prior = prior_alphas(None)        # every request starts from the same prior
+        eng.scheduler.kplan.finished.clear()                            # ... as weak as a fresh engine's
         out = eng.generate(p, GREEDY)                                      # engine default: adaptive
         history = trackers[-1].history
         ngram = eng.generate(p, GREEDY, num_draft_tokens=ADAPTIVE_K, proposer="ngram")

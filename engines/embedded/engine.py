@@ -45,7 +45,6 @@ from typing import Callable
 import torch
 
 import specbuild
-from specbuild.engines.embedded.adaptive import AcceptanceTracker
 from specbuild.engines.embedded.config import ADAPTIVE_K, EXACT, ConfigError, EngineConfig, Policy, default_policy
 from specbuild.engines.embedded.detok import IncrementalDetokenizer
 from specbuild.engines.embedded.errors import EngineError, EngineLimitError
@@ -243,7 +242,7 @@ class Engine:
         tracker = None
         if adaptive and k > 0:       # adaptive: K varies per step in [0, max_draft_len]
             with self.scheduler.lock:
-                tracker = AcceptanceTracker(self.scheduler.kplan.alpha_prior[prop])
+                tracker = self.scheduler.kplan.tracker(prop)
         seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params, k, prop, on_output, frozenset(stop_ids),
                        IncrementalDetokenizer(self.tokenizer, ids, params.stop), SpecStats(),
                        None if params.greedy else make_generator(params.seed, self.device), adaptive=tracker)

@@ -15,9 +15,15 @@ For each running sequence, in this order:
 
 from __future__ import annotations
 
-from specbuild.engines.embedded.adaptive import CostModel, OnlineCosts, choose_batch_k, cost_models, prior_alphas
+from collections import deque
+
+from specbuild.engines.embedded.adaptive import (AcceptanceTracker, CostModel, OnlineCosts, choose_batch_k, cost_models,
+                                                 prior_alphas, prior_strength)
 from specbuild.engines.embedded.config import Policy
 from specbuild.engines.embedded.sequence import Sequence
+
+
+FINISHED_WINDOW = 32      # finished sequences per proposer whose acceptance spread sets a new one's prior strength
 
 
 def verify_width(n: int, sent: list[int]) -> int:
@@ -36,6 +42,8 @@ class KPlanner:
         self._by_n: dict[int, dict[str, CostModel]] = {}                 # n -> proposer -> the build's cost model
         self.online = OnlineCosts() if online_costs else None           # step costs measured while serving
         self.alpha_prior = prior_alphas(calibration)                     # proposer -> a new sequence's alpha_hat
+        self.finished: dict[str, deque] = {}                             # proposer -> (accepted, trials) of the
+                                                                         # last FINISHED_WINDOW adaptive sequences
         self.cutoff_steps_total = 0
         self.steps_total = 0                                             # rounds planned (engine steps)
         self.sequence_steps_total = 0                                    # ... summed over their sequences
@@ -117,10 +125,20 @@ class KPlanner:
         sent = [len(p.token_ids) for p in proposals if p is not None]
         self.online.observe(n, verify_width(n, sent), max(drafted, default=0), t_propose, t_score)
 
+    def tracker(self, proposer: str) -> AcceptanceTracker:
+        """A new adaptive sequence's tracker: the proposer's starting estimate, worth as many trials as the spread of
+        its recent sequences' acceptance allows (`adaptive.prior_strength`)."""
+        return AcceptanceTracker(self.alpha_prior[proposer],
+                                 strength=prior_strength(list(self.finished.get(proposer, ()))))
+
     def fold(self, s: Sequence) -> None:
-        """A finished adaptive sequence moves its proposer's starting estimate toward its own acceptance."""
+        """A finished adaptive sequence moves its proposer's starting estimate toward its own acceptance, and joins
+        the sequences whose spread sets how firm that start is."""
         if s.adaptive is not None:
             self.alpha_prior[s.proposer] = s.adaptive.fold_into(self.alpha_prior[s.proposer])
+            if s.adaptive.trials:
+                self.finished.setdefault(s.proposer, deque(maxlen=FINISHED_WINDOW)).append(
+                    (s.adaptive.accepted, s.adaptive.trials))
 
     def measured_costs(self, has_draft: bool) -> dict:
         """What adaptive K prices the draft with now, at the latest step's concurrency: c and the plain step (ms),
