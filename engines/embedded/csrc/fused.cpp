@@ -914,8 +914,9 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
 }
 
 // n floats from p into L2, a 64-byte line at a time (n <= 0: nothing; prefetches never fault): the next block of K
-// or V rows while a segment's queries use this one. Into L1 instead, the draft step at 1 row / context 300 ran
-// 1.04x slower than with no prefetch; into L2, 0.95x (AMD EPYC Zen 4, 15 interleaved; bench/README.md "2026-12-07 late")
+// or V rows while a segment's queries use this one. The int4 draft step at 8 rows / context 200 against the kernel
+// before segments: 0.92x the time with this, 0.95x with no prefetch, 1.04x prefetching into L1 (AMD EPYC Zen 4, 5
+// interleaved); at 1 row / context 300 0.95x and 0.96x (15; bench/README.md "2026-12-07 late")
 inline void prefetch_rows(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T1);
 }
