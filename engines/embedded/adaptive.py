@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 DEFAULT_DRAFT_COST_RATIO = 0.3        # c when no calibration of the draft exists
@@ -183,7 +184,7 @@ def prior_alphas(calibration: dict | None, policy: AdaptivePolicy = AdaptivePoli
     return out
 
 
-def prior_strength(finished: list[tuple[int, int]], policy: AdaptivePolicy = AdaptivePolicy(),
+def prior_strength(finished: Iterable[tuple[int, int]], policy: AdaptivePolicy = AdaptivePolicy(),
                    most: float = 16.0, least_sequences: int = 8) -> float:
     """How many trials the engine's starting estimate is worth, from how much finished sequences' acceptance varied
     (empirical Bayes; `finished`: (accepted, trials) per sequence). With per-sequence rates drawn from a Beta of

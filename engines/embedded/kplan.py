@@ -129,7 +129,7 @@ class KPlanner:
         """A new adaptive sequence's tracker: the proposer's starting estimate, worth as many trials as the spread of
         its recent sequences' acceptance allows (`adaptive.prior_strength`)."""
         return AcceptanceTracker(self.alpha_prior[proposer],
-                                 strength=prior_strength(list(self.finished.get(proposer, ()))))
+                                 strength=prior_strength(self.finished.get(proposer, ())))
 
     def fold(self, s: Sequence) -> None:
         """A finished adaptive sequence moves its proposer's starting estimate toward its own acceptance, and joins

@@ -1116,11 +1116,13 @@ class Runner {
     int64_t nmax = 0;
     for (int64_t q = 0; q < Q; q++) nmax = std::max(nmax, ps[qrow[q]] + 1);
     const int64_t ld = (nmax + 7) / 8 * 8;                          // one query's scores, padded to 8
-    static thread_local std::vector<float> sbuf, abuf;
+    static thread_local std::vector<float> sbuf, abuf, ibuf;      // grown once per thread, not per segment
     if (static_cast<int64_t>(sbuf.size()) < Q * ld) sbuf.resize(Q * ld);
     if (static_cast<int64_t>(abuf.size()) < Q * hd) abuf.resize(Q * hd);
+    if (static_cast<int64_t>(ibuf.size()) < Q) ibuf.resize(Q);
     float* sc = sbuf.data();
     float* acc = abuf.data();
+    float* inv = ibuf.data();
     const __m256 scale8 = _mm256_set1_ps(scale);
     // scores: 8 positions at a time (dot8x8: the same bits as one by one), the rest one by one
     for (int64_t p0 = 0; p0 < nmax; p0 += ATT_BLOCK) {
@@ -1135,7 +1137,6 @@ class Runner {
       }
     }
     // softmax's numerator in place (exp(s - max), 0 past the query's positions) and 1 / its sum, per query
-    std::vector<float> inv(Q);
     for (int64_t q = 0; q < Q; q++) {
       const int64_t n = ps[qrow[q]] + 1, n8 = (n + 7) / 8 * 8;
       float* s = sc + q * ld;
