@@ -135,7 +135,8 @@ def _isa_ext(isa: str):
 def test_block_int8_kernels_are_the_q8_scheme_exactly(scheme, k, isa):
     """The Q4_1 / Q8_0 x int8 kernels against the scheme written out in numpy: x rounded per block of 32 (xd =
     max|x| / 127, xq = rint(x / xd) in fp32), the integer dots <q_b, xq_b>, then sum_b d_b xd_b <q_b, xq_b> (+ m_b
-    sum(x_b) for Q4_1). Whatever vector path the machine's build takes (weights interleaved by 16 rows: AVX-512 with
+    sum(x_b) for Q4_1), with d and m rounded to fp16 as GGUF stores them (these weights are not a GGUF's: their
+    fp32 scales are not fp16 values, so the kernel must read the rounded ones). Whatever vector path the machine's build takes (weights interleaved by 16 rows: AVX-512 with
     or without VNNI one vector per group, AVX2 two halves; 24 rows are a whole group and a zero-padded one), each
     output is that sum to within fp32 rounding; a block, a row or a lane in the wrong place is off by far more."""
     gen = torch.Generator().manual_seed(k)
@@ -170,10 +171,10 @@ def _assert_q8_scheme_exactly(w: torch.Tensor, x: torch.Tensor, scheme: str, ext
     if scheme == "q4_1":
         qs = q.qs.numpy().reshape(24, nb, 16)
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)      # [N, nb, 32]: elements 0..31
-        d, m = q.d.numpy().reshape(24, nb), q.m.numpy().reshape(24, nb)
+        d, m = q.d.half().float().numpy().reshape(24, nb), q.m.half().float().numpy().reshape(24, nb)
     else:
         codes = q.qs.numpy().view(np.int8).reshape(24, nb, 32).astype(np.int64)
-        d, m = q.d.numpy().reshape(24, nb), np.zeros((24, nb), np.float32)
+        d, m = q.d.half().float().numpy().reshape(24, nb), np.zeros((24, nb), np.float32)
     xb = x.numpy().reshape(3, nb, 32)
     amax = np.abs(xb).max(-1)
     xd = (amax / np.float32(127)).astype(np.float32)

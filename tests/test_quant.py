@@ -49,6 +49,25 @@ def test_int8_linear_rejects_bad_tensors():
         Int8Linear(torch.zeros(4, 4, dtype=torch.int8), torch.ones(3))
 
 
+def test_interleaved_blocks_hold_fp16_scales_and_refuse_what_fp16_cannot_hold():
+    """The int8-activation kernels read each block's d and m in fp16, as GGUF stores them: a GGUF's own blocks
+    (fp16 values already) keep every bit, other weights get their scales rounded, and a scale beyond fp16's range
+    is refused with the fix instead of becoming inf in a kernel."""
+    from specbuild.engines.embedded.blocks import interleave_blocks, quantize_blocks
+
+    w = torch.randn(20, 64, generator=torch.Generator().manual_seed(3))
+    qs, d, m, _ = quantize_blocks(w, "q4_1")
+    _, di, mi = interleave_blocks(qs, d, m)
+    assert di.dtype == mi.dtype == torch.float16 and di.shape == (2, 2, 16)
+    assert torch.equal(di.float()[0, :, :].T, d.half().float()[:16])          # group 0: rows 0..15, per block
+    assert torch.equal(mi.float()[1, :, :4].T, m.half().float()[16:])         # group 1: rows 16..19, then zeros
+    assert not bool(mi[1, :, 4:].any())
+    gguf_d, gguf_m = d.half().float(), m.half().float()                      # a GGUF's scales: kept bit for bit
+    assert torch.equal(interleave_blocks(qs, gguf_d, gguf_m)[1].float()[0].T, gguf_d[:16])
+    with pytest.raises(UsageError, match="fp16.*--draft-activations fp32"):
+        interleave_blocks(qs, d * 1e6, m)
+
+
 def test_quantize_model_swaps_linears_and_skips():
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     quantize_model_(model, skip=("3",))

@@ -78,8 +78,8 @@ GROUP = 16                               # output rows the int8-activation kerne
 def interleave_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
     """Blocks [out, nb, 16|32] -> the layout of the fused extension's int8-activation kernels (csrc/fused.cpp
     `block_gemm_q8`): rows in groups of 16 (zero rows past `out`), and per group and block 4 (Q4_1) or 8 (Q8_0)
-    vectors of 64 bytes, vector s holding each row's bytes 4s..4s+3 of the block; d (and m) as [groups, nb, 16].
-    -> (qs [groups, nb, 4|8, 16, 4], d [groups, nb, 16], m or None), contiguous."""
+    vectors of 64 bytes, vector s holding each row's bytes 4s..4s+3 of the block; d (and m) as fp16 [groups, nb,
+    16] (`_half`). -> (qs [groups, nb, 4|8, 16, 4], d [groups, nb, 16], m or None), contiguous."""
     n, nb, width = qs.shape
     groups = -(-n // GROUP)
     pad = groups * GROUP - n
@@ -88,6 +88,17 @@ def interleave_blocks(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None)
         return torch.cat((t, t.new_zeros((pad, *t.shape[1:])))) if pad else t
 
     q = rows(qs).reshape(groups, GROUP, nb, width // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
-    side = [None if t is None else rows(t.float()).reshape(groups, GROUP, nb).transpose(1, 2).contiguous()
+    side = [None if t is None else rows(_half(t)).reshape(groups, GROUP, nb).transpose(1, 2).contiguous()
             for t in (d, m)]
     return q, side[0], side[1]
+
+
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """Block scales as GGUF stores them, fp16: exact where the blocks were recovered from a GGUF (their d and m
+    are fp16 values), rounded otherwise (as llama.cpp rounds them; the int8-activation draft is an approximation
+    of the target either way, and verify keeps the output exact)."""
+    h = t.half()
+    if not bool(torch.isfinite(h).all()):
+        raise UsageError(f"a block scale or minimum ({float(t.abs().max()):.3g}) is outside fp16's range, which the "
+                         "int8-activation kernels store them in: build the draft with --draft-activations fp32")
+    return h
