@@ -328,6 +328,31 @@ def test_int4_of_a_gguf_derived_model_holds_the_targets_weights(tiny_llama):
 
 
 @needs_ext
+@needs_ext
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 95, 49152])
+def test_argmax_rows_is_torch_argmax_with_its_ties_nans_and_infinities(n):
+    """The greedy paths' argmax (sampling.greedy_ids) runs on the extension: for each row it must be the index
+    torch.argmax gives, the first of equal maxima (in any lane, the vector part or the tail) and the first NaN."""
+    from specbuild.engines.embedded.sampling import greedy_ids
+
+    gen = torch.Generator().manual_seed(n)
+    rows = [torch.randn(n, generator=gen), torch.randint(-2, 2, (n,), generator=gen).float(),
+            torch.full((n,), float("-inf")), torch.zeros(n), -torch.zeros(n)]
+    for at in {0, n // 2, n - 1}:
+        for special in (float("nan"), float("inf")):
+            r = torch.randint(-2, 2, (n,), generator=gen).float()
+            r[at] = special
+            rows.append(r)
+            if n > 2:
+                r2 = r.clone()
+                r2[(at + n // 3) % n] = special
+                rows.append(r2)
+    x = torch.stack(rows)
+    assert fused.argmax_rows(x) == x.argmax(-1).tolist()
+    assert greedy_ids(x[1:3]) == x[1:3].argmax(-1).tolist()
+    assert fused.argmax_rows(x[:, :n].t().contiguous().t()) == x.argmax(-1).tolist()     # not contiguous
+
+
 def test_kernel_loops_give_the_same_bits_from_any_thread_and_at_once():
     """The kernels' loops run on the extension's own workers (not torch's OpenMP, which slowed every loop of a
     serving thread: csrc/fused.cpp, Pool). Whichever thread calls, and with four calling at once (one gets the

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specbuild.engines.embedded.config import ACCEPTANCE_RULES, EXACT, UNSAFE_ALWAYS_ACCEPT  # noqa: F401
-from specbuild.engines.embedded.sampling import processed_probs, sample
+from specbuild.engines.embedded.sampling import greedy_ids, processed_probs, sample
 
 PLACEHOLDER = -1
 
@@ -112,7 +112,7 @@ def accept_batch(seqs, proposals, logits, rule: str = EXACT) -> list[Accepted]:
     results: list[Accepted | None] = [None] * len(seqs)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     if greedy:
-        argmax = stacked([logits[i] for i in greedy]).argmax(-1).tolist()      # one device sync
+        argmax = greedy_ids(stacked([logits[i] for i in greedy]))             # one device sync
         o = 0
         for i in greedy:
             n = logits[i].shape[0]
@@ -147,6 +147,6 @@ def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
 def _accept_unsafe(s, proposal, logits) -> Accepted:
     """The deliberately broken rule: every draft accepted, then the target's token after the last draft."""
     last = logits[-1:]                                                 # [1, V] after the last draft
-    bonus = int(last.argmax(-1)[0]) if s.params.greedy else int(sample(processed_probs(last, s.params),
+    bonus = greedy_ids(last)[0] if s.params.greedy else int(sample(processed_probs(last, s.params),
                                                                         s.generator)[0])
     return always_accept(proposal.token_ids, bonus)

@@ -199,6 +199,13 @@ def block_linear(kind: int, x: torch.Tensor, qs, d, m, bias, out_features: int) 
                             out_features)
 
 
+def argmax_rows(x: torch.Tensor) -> list[int] | None:
+    """Each row's argmax of x [M, N] (fp32, CPU), as `x.argmax(-1).tolist()` gives it, on the extension's
+    vectorized loop; None when it is not built."""
+    ext = extension()
+    return None if ext is None else ext.argmax_rows(x)
+
+
 def build(progress=print) -> bool:
     """Compile (or find) the extension for this machine and check it against eager PyTorch. -> built or not."""
     global _EXT, _WHY

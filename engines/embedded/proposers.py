@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from specbuild.engines.embedded.model import CachedRunner, ragged_forward
-from specbuild.engines.embedded.sampling import processed_probs, sample
+from specbuild.engines.embedded.sampling import greedy_ids, processed_probs, sample
 
 
 @dataclass
@@ -108,7 +108,7 @@ class DraftModelProposer(CachedRunner):
     def _pick(self, seqs, live, logits, drafted, probs) -> None:
         greedy = [j for j, i in enumerate(live) if seqs[i].params.greedy]
         if greedy:
-            ids = logits[greedy].argmax(-1).tolist()
+            ids = greedy_ids(logits[greedy] if len(greedy) < logits.shape[0] else logits)
             for j, t in zip(greedy, ids):
                 drafted[live[j]].append(t)
         for j, i in enumerate(live):

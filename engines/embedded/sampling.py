@@ -84,6 +84,19 @@ class SamplingParams:
         return self.temperature < GREEDY_EPSILON
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """logits [N, V] -> each row's argmax (the first of equal maxima, as torch.argmax): on the fused extension's
+    vectorized loop for CPU fp32 logits (torch's took 44 us a 49152-token row, once per draft step and verified row),
+    else torch's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[-1]:
+        from specbuild.engines.embedded.fused import argmax_rows
+
+        ids = argmax_rows(logits)
+        if ids is not None:
+            return ids
+    return logits.argmax(-1).tolist()
+
+
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] after temperature, top-k and top-p (float32).
 

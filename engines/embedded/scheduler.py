@@ -41,7 +41,7 @@ from specbuild.engines.embedded.delivery import Outbox
 from specbuild.engines.embedded.kplan import KPlanner
 from specbuild.engines.embedded.kvcache import SlotAllocator
 from specbuild.engines.embedded.proposers import DraftModelProposer, NgramProposer, Proposal
-from specbuild.engines.embedded.sampling import processed_probs, sample
+from specbuild.engines.embedded.sampling import greedy_ids, processed_probs, sample
 from specbuild.engines.embedded.scorer import TargetScorer, suppress_stop_ids
 from specbuild.engines.embedded.sequence import Sequence, StreamDelta
 from specbuild.engines.embedded.stats import SpecStats
@@ -317,7 +317,7 @@ class Scheduler:
         if s.params.min_tokens and s.stop_ids:
             lg = suppress_stop_ids(lg, 0, s.params.min_tokens, s.stop_ids)
         if s.params.greedy:
-            return int(lg.argmax(-1)[0])
+            return greedy_ids(lg)[0]
         return int(sample(processed_probs(lg, s.params), s.generator)[0])
 
     def _catch_up_drafts(self) -> None:
