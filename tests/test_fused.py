@@ -304,6 +304,20 @@ def test_an_int4_self_draft_is_lossless(tiny_llama, draft_kv, activations):
     spec = eng.generate_batch([(p, params, 4) for p in prompts], proposer="draft")
     assert [o.token_ids for o in spec] == plain
     assert sum(o.stats.num_draft_tokens for o in spec) > 0
+    if activations == "int8" and fused.extension() is not None:    # greedy drafts: the screened head's tokens
+        assert eng.draft.lm_head._screen is not None               # made with the engine, not in a request
+        calls = []
+        real, screens = BlockLinear.greedy_ids, BlockLinear.screens
+        BlockLinear.greedy_ids = lambda self, x: calls.append(1) or real(self, x)
+        try:
+            screened = eng.generate_batch([(p, params, 4) for p in prompts], proposer="draft")
+            BlockLinear.screens = lambda self: False                    # the full head's logits, then argmax
+            full = eng.generate_batch([(p, params, 4) for p in prompts], proposer="draft")
+        finally:
+            BlockLinear.greedy_ids, BlockLinear.screens = real, screens
+        assert len(calls) >= sum(o.stats.num_drafts for o in screened) > 0
+        assert [o.token_ids for o in screened] == [o.token_ids for o in full] == plain
+        assert [o.stats.num_accepted_tokens for o in screened] == [o.stats.num_accepted_tokens for o in full]
 
 
 def test_int4_of_a_gguf_derived_model_holds_the_targets_weights(tiny_llama):
@@ -351,6 +365,32 @@ def test_argmax_rows_is_torch_argmax_with_its_ties_nans_and_infinities(n):
     assert fused.argmax_rows(x) == x.argmax(-1).tolist()
     assert greedy_ids(x[1:3]) == x[1:3].argmax(-1).tolist()
     assert fused.argmax_rows(x[:, :n].t().contiguous().t()) == x.argmax(-1).tolist()     # not contiguous
+
+
+@needs_ext
+def test_a_screened_greedy_head_picks_its_q8_argmax_not_the_screens():
+    """A greedy draft's Q8_0 head picks its token among the best candidates of a Q4_1 copy, scored on its own
+    Q8_0 blocks (csrc/fused.cpp `screened_argmax`): the token is the full head's argmax, also on rows where the
+    Q4_1 copy alone would rank another token first (so the candidates are decided on Q8_0, not on the screen),
+    and a row with NaN logits falls back to the full head."""
+    gen = torch.Generator().manual_seed(11)
+    lin = torch.nn.Linear(96, 3000, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(3000, 96, generator=gen) * 0.05)
+    head, _ = BlockLinear.from_linear(lin, "q8_0")
+    head.activations = "int8"
+    assert head.screens()
+    x = torch.randn(64, 96, generator=gen)
+    full = head(x).argmax(-1).tolist()
+    assert head.greedy_ids(x) == full
+    assert [head.greedy_ids(x[r:r + 1])[0] for r in range(0, 64, 9)] == full[::9]
+    qs, d, m, _ = quantize_blocks(head.dense_weight(), "q4_1")
+    q4 = BlockLinear(qs, d, m)
+    q4.activations = "int8"
+    assert q4(x).argmax(-1).tolist() != full                 # the screen alone would pick other tokens
+    bad = x[:3].clone()
+    bad[1] = float("nan")
+    assert head.greedy_ids(bad) == head(bad).argmax(-1).tolist()
 
 
 def test_kernel_loops_give_the_same_bits_from_any_thread_and_at_once():

@@ -208,8 +208,10 @@ class Transformer(nn.Module):
         cos, sin = self._rope_cache
         return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)      # sin is sign-folded, see _rope
 
-    def forward(self, tokens: torch.Tensor, meta: BatchMeta, cache, logits_index: torch.Tensor | None = None):
-        """tokens [B, T] -> logits [N, V] (float32) at the flattened rows `logits_index` (default: every row)."""
+    def forward(self, tokens: torch.Tensor, meta: BatchMeta, cache, logits_index: torch.Tensor | None = None,
+                hidden: bool = False):
+        """tokens [B, T] -> logits [N, V] (float32) at the flattened rows `logits_index` (default: every row);
+        `hidden`: the final-normed hidden states [N, D] there instead (what the lm_head would take)."""
         x = self.embed(tokens)
         cos, sin = self._rope(meta.positions, meta.attn_len)
         for i, layer in enumerate(self.layers):
@@ -217,7 +219,7 @@ class Transformer(nn.Module):
         x = x.reshape(-1, x.shape[-1])
         if logits_index is not None:
             x = x.index_select(0, logits_index)
-        return self.lm_head(self.norm(x)).float()
+        return self.norm(x) if hidden else self.lm_head(self.norm(x)).float()
 
     def num_bytes(self) -> int:
         seen, total = set(), 0
@@ -242,7 +244,9 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
     """Run rows of new tokens (row i at positions starts[i]..) in one forward: the fused step when the cache
     has a runner for this model (fused.py: ragged, no padding), else one padded eager forward.
 
-    logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None.
+    logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None;
+    "hidden" -> [B, D]: the final-normed hidden state at each row's last token (the lm_head's input: a greedy
+    draft picks its token from it with `lm_head.greedy_ids`).
     between: on the fused step, and for a model whose step streams PIECES_MIN_BYTES or more, the layers run in
     PIECES pieces and `between()` is called after each (the last one before the lm_head): the scheduler
     prefills a request that arrived during a verify or a draft step there, so its first token does not wait for
@@ -268,13 +272,13 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
                      max(s + n for s, n in zip(starts, lens)))
     if logits == "none":
         idx = torch.empty(0, dtype=torch.long, device=device)
-    elif logits == "last":
+    elif logits in ("last", "hidden"):
         idx = torch.tensor([b * T + n - 1 for b, n in enumerate(lens)], device=device)
     elif all(n == T for n in lens):
         idx = None
     else:
         idx = torch.tensor([b * T + t for b, n in enumerate(lens) for t in range(n)], device=device)
-    out = model(tokens, meta, cache, idx)
+    out = model(tokens, meta, cache, idx, hidden=logits == "hidden")
     return None if logits == "none" else out
 
 
@@ -306,10 +310,10 @@ def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str,
             between()
     if logits == "none":
         return None
-    if logits == "last":
+    if logits in ("last", "hidden"):
         ends = list(itertools.accumulate(len(r) for r in rows))
         h = h.index_select(0, torch.tensor([e - 1 for e in ends], device=device))
-    return model.lm_head(model.norm(h)).float()
+    return model.norm(h) if logits == "hidden" else model.lm_head(model.norm(h)).float()
 
 
 class CachedRunner:

@@ -64,6 +64,8 @@ class DraftModelProposer(CachedRunner):
     def __init__(self, model, cache, device, *, shares_target_kv: bool = False):
         super().__init__(model, cache, device)
         self.shares_target_kv = shares_target_kv
+        if hasattr(model.lm_head, "prepare_screen"):
+            model.lm_head.prepare_screen()          # its Q4_1 copy now, not in the first request's draft step
 
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int], stop_early: Callable[[], bool] | None = None,
@@ -88,22 +90,33 @@ class DraftModelProposer(CachedRunner):
         # Catch-up: feed tokens[draft_len:n] so the cache holds every accepted token.
         rows = [seqs[i].tokens[seqs[i].draft_len:] for i in live]
         starts = [seqs[i].draft_len for i in live]
-        logits = ragged_forward(self.model, self.cache, [seqs[i].slot for i in live], starts, rows, "last",
+        out_kind = "hidden" if self._screens(seqs, live) else "last"     # all greedy: the head's own argmax
+        logits = ragged_forward(self.model, self.cache, [seqs[i].slot for i in live], starts, rows, out_kind,
                                 self.device, between=between)
         step = 0
         while True:
-            self._pick(seqs, live, logits, drafted, probs)
+            if out_kind == "hidden":
+                for i, t in zip(live, self.model.lm_head.greedy_ids(logits)):
+                    drafted[i].append(t)
+            else:
+                self._pick(seqs, live, logits, drafted, probs)
             step += 1
             live = [i for i in live if ks[i] > step]
             if not live or (stop_early is not None and stop_early()):
                 break
             pos = [len(seqs[i].tokens) - 1 + step for i in live]
             logits = ragged_forward(self.model, self.cache, [seqs[i].slot for i in live], pos,
-                                    [[drafted[i][-1]] for i in live], "last", self.device, between=between)
+                                    [[drafted[i][-1]] for i in live], out_kind, self.device, between=between)
         for i in drafted:
             p = torch.stack(probs[i]) if probs[i] else None
             out[i] = Proposal(drafted[i], p)
         return out
+
+    def _screens(self, seqs, live) -> bool:
+        """Every live row greedy and a head that picks its own argmax cheaper than its logits (a Q8_0 head
+        screened on a Q4_1 copy: quant.BlockLinear.greedy_ids)?"""
+        head = self.model.lm_head
+        return (hasattr(head, "screens") and head.screens() and all(seqs[i].params.greedy for i in live))
 
     def _pick(self, seqs, live, logits, drafted, probs) -> None:
         greedy = [j for j, i in enumerate(live) if seqs[i].params.greedy]

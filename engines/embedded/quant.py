@@ -147,6 +147,7 @@ class BlockLinear(nn.Module):
         self._dense = None          # dequantized fp32 copy (eager fallback), made on first need
         self._packed = None         # its oneDNN-reordered form (prompt-sized inputs)
         self._interleaved = None    # the int8-activation kernels' layout (blocks.interleave_blocks), on first need
+        self._screen = None         # a Q8_0 head's Q4_1 copy, interleaved, for greedy_ids (prepare_screen)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, scheme: str) -> tuple["BlockLinear", float]:
@@ -199,6 +200,37 @@ class BlockLinear(nn.Module):
             else:
                 y = F.linear(x2, self.dense_weight().to(x2.device), self.bias)
         return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def screens(self) -> bool:
+        """Does `greedy_ids` screen on a Q4_1 copy? A Q8_0 head on int8 activations, on the extension's kernels."""
+        from specbuild.engines.embedded.fused import INT8_ACTIVATIONS, Q8_0, extension
+
+        return (self.kernel_kind == INT8_ACTIVATIONS[Q8_0] and self.qs.device.type == "cpu"
+                and extension() is not None)
+
+    def prepare_screen(self) -> None:
+        """Make the Q4_1 screening copy `greedy_ids` reads (~18 MB for a 49152 x 576 head; a second or two), now
+        rather than in the first request's first draft step."""
+        if self._screen is None and self.screens():
+            w = self.dense_weight()
+            qs, d, m, _ = quantize_blocks(w, "q4_1")
+            self._screen = interleave_blocks(qs, d, m)
+
+    def greedy_ids(self, x: torch.Tensor) -> list[int]:
+        """Each row's argmax of this layer's output for x [M, in] (the greedy draft's token). A Q8_0 head on int8
+        activations screens the vocabulary on a Q4_1 copy and decides among its best candidates on its own blocks
+        (csrc/fused.cpp `screened_argmax`: the same token as the full head's argmax whenever the Q4_1 copy ranks
+        that token among its best 8, and the full head where a logit is NaN); else the argmax of `forward`."""
+        from specbuild.engines.embedded.sampling import greedy_ids
+
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        if self.bias is None and x2.shape[0] < self.prefill_min_rows and self.screens():
+            from specbuild.engines.embedded.fused import extension
+
+            self.prepare_screen()
+            qs8, d8, _ = self.kernel_blocks()
+            return extension().screened_argmax(x2, *self._screen, qs8, d8, self.out_features)
+        return greedy_ids(self(x2))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme} blocks of {BLOCK}"
