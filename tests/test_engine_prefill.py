@@ -264,7 +264,7 @@ def test_a_request_arriving_during_a_verify_streams_before_that_verify_ends(eng,
     sched.step()
     score, box, pieces = sched.scorer.score, {}, []
 
-    def arrive_during_score(seqs, drafts, between=None):
+    def arrive_during_score(seqs, drafts, between=None, **kw):
         assert between is not None
 
         def hook():
@@ -272,7 +272,7 @@ def test_a_request_arriving_during_a_verify_streams_before_that_verify_ends(eng,
             if "b" not in box:
                 box["b"] = eng.submit(PROMPTS[2], GREEDY, num_draft_tokens=4, on_output=ev.on_output)
             between()
-        return score(seqs, drafts, between=hook)
+        return score(seqs, drafts, between=hook, **kw)
 
     monkeypatch.setattr(sched.scorer, "score", arrive_during_score)
     took, observed = step_with_a_slow_prefill(sched, monkeypatch, "verify")

@@ -157,6 +157,94 @@ def test_tiled_kernel_holds_each_weight_once_in_panels_and_a_tied_lm_head_keeps_
     _assert_same_logits(model, ref)
 
 
+@needs_ext
+def test_a_screened_fp32_head_gives_the_full_heads_argmax_bit_for_bit(monkeypatch):
+    """A greedy row's token from the tiled head's Q8_0 screen (csrc/fused.cpp `bounded_argmax`): the outputs that
+    the proven bound cannot rule out are computed on the panels, so the token is the argmax of the full output,
+    the first of equal maxima, also where the screen alone ranks another output first or cannot tell two apart,
+    and a row with a NaN, an infinity, or too many candidates is decided on the full head."""
+    from specbuild.engines.embedded.sampling import greedy_ids
+
+    monkeypatch.setattr(TiledLinear, "screen_min_out", 0)
+    lin, gen = _linear(6003, 96, False, 5)
+    with torch.no_grad():
+        w0 = lin.weight[0]
+        j = int(torch.where((w0[:32] > 0) & (w0[:32] < w0[:32].abs().max() / 2))[0][0])
+        lin.weight[1] = w0
+        lin.weight[1, j] += w0[:32].abs().max() / 127 / 4  # the same Q8_0 blocks as row 0, larger where x = w0
+        lin.weight[4000] = lin.weight[7]                  # an exact tie: the first of the two wins
+        lin.weight[5000] = lin.weight[1]                  # and another, after row 1
+    head = TiledLinear(lin, fused.extension())
+    assert head.screens()
+    head.prepare_screen()
+    w = lin.weight.detach()
+    x = torch.cat([torch.randn(40, 96, generator=gen), 3 * torch.randn(8, 96, generator=gen),
+                   w[0:1], w[7:8] * 2, -w[0:1], torch.zeros(1, 96), torch.full((1, 96), 1e-3)])
+    counts = torch.empty(x.shape[0], dtype=torch.long)
+    got = head.greedy_ids(x, counts)
+    want = greedy_ids(head(x))
+    assert got == want == head(x).argmax(-1).tolist()
+    assert got[48] == 1 and got[49] == 7                  # the larger of two near-equal rows; the first of a tie
+    c = counts.tolist()
+    assert sorted(c)[len(c) // 2] <= 32 and max(c[:48]) >= 2      # few candidates, decided on the panels
+    assert c[51] > head.SCREEN_CAP                        # x = 0: every output ties, the full head decides
+    q8 = fused.extension().block_linear(fused.INT8_ACTIVATIONS[fused.Q8_0], x[48:49], *head._screen[:2],
+                                        torch.empty(0), torch.empty(0), head.out_features)
+    assert q8[0, 0] == q8[0, 1] and q8.argmax(-1).item() == 0    # the screen alone cannot tell rows 0 and 1 apart
+    assert [head.greedy_ids(x[r:r + 1])[0] for r in range(0, x.shape[0], 5)] == want[::5]   # one row at a time
+    bad = x[:4].clone()
+    bad[1, 3] = float("nan")
+    bad[2, 5] = float("inf")
+    counts = torch.empty(4, dtype=torch.long)
+    assert head.greedy_ids(bad, counts) == head(bad).argmax(-1).tolist()
+    assert counts.tolist()[1:3] == [-1, -1]
+
+
+@needs_ext
+def test_a_greedy_verify_reads_the_screened_head_and_keeps_every_token(tiny_llama, monkeypatch):
+    """The scorer takes a greedy verify's tokens from the target head's screen (`scorer.GreedyRows`): the same
+    tokens and accepted counts as from the full logits, with speculation off and on; a sampling request or one
+    still suppressing its stop ids gets the logits as before."""
+    from specbuild.engines.embedded import Engine, SamplingParams
+    from specbuild.engines.embedded.scorer import TargetScorer
+
+    monkeypatch.setattr(TiledLinear, "screen_min_out", 0)
+    eng = Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=4, max_seq_len=192, linear_kernel="tiled",
+                                  draft_quantize="int4", online_costs=False)
+    head = eng.target.lm_head
+    assert eng.scorer.screens() and head._screen is not None                   # made with the engine
+    screen_bytes = sum(t.numel() * t.element_size() for t in head._screen)      # the roofline of a greedy step
+    assert eng.target.greedy_step_bytes() == eng.target.step_bytes() - head.panels.numel() * 4 + screen_bytes
+    calls = []
+    real = TiledLinear.greedy_ids
+    monkeypatch.setattr(TiledLinear, "greedy_ids", lambda self, x, counts=None: calls.append(x.shape[0]) or
+                        real(self, x, counts))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = ["The quick brown fox", "def fibonacci(n):\n", "Paris is the capital of"]
+
+    def run():
+        return [eng.generate_batch([(p, params, k) for p in prompts], proposer="draft") for k in (0, 4)]
+
+    screened = run()
+    assert len(calls) > 0 and max(calls) > len(prompts)          # verifies of K + 1 rows read the screen
+    monkeypatch.setattr(TargetScorer, "screens", lambda self: False)
+    n = len(calls)
+    full = run()
+    assert len(calls) == n
+    for a, b in zip(screened, full):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [o.stats.num_accepted_tokens for o in a] == [o.stats.num_accepted_tokens for o in b]
+    assert [o.token_ids for o in screened[0]] == [o.token_ids for o in screened[1]]
+    monkeypatch.undo()
+    monkeypatch.setattr(TiledLinear, "screen_min_out", 0)
+    calls.clear()
+    monkeypatch.setattr(TiledLinear, "greedy_ids", lambda self, x, counts=None: calls.append(x.shape[0]) or
+                        real(self, x, counts))
+    eng.generate("The quick brown fox", SamplingParams(max_tokens=6, temperature=0.8, seed=1), num_draft_tokens=2)
+    eng.generate("The quick brown fox", SamplingParams(max_tokens=6, min_tokens=6), num_draft_tokens=2)
+    assert calls == []
+
+
 def test_a_required_tiled_kernel_without_the_extension_is_refused(tiny_llama, monkeypatch):
     from specbuild.engines.embedded import step
 

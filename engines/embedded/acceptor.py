@@ -106,11 +106,14 @@ def accept_batch(seqs, proposals, logits, rule: str = EXACT) -> list[Accepted]:
     """Accept or reject every sequence's drafts: greedy sequences by the longest matching prefix (one argmax
     over the whole batch), sampling ones by the rejection-sampling rule with their own generator.
     `proposals[i].token_ids` [K_i], `.probs` [K_i, V] or None (one-hot: n-gram, greedy draft); `logits[i]`
-    [K_i + 1, V] from the scorer."""
+    [K_i + 1, V] from the scorer, or for a greedy sequence its `scorer.GreedyRows` (the K_i + 1 argmax ids)."""
     if rule == UNSAFE_ALWAYS_ACCEPT:
         return [_accept_unsafe(s, p, lg) for s, p, lg in zip(seqs, proposals, logits)]
     results: list[Accepted | None] = [None] * len(seqs)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    for i in [i for i in greedy if isinstance(logits[i], list)]:         # the scorer's GreedyRows: the argmax
+        results[i] = greedy_accept(proposals[i].token_ids, logits[i])
+    greedy = [i for i in greedy if results[i] is None]
     if greedy:
         argmax = greedy_ids(stacked([logits[i] for i in greedy]))             # one device sync
         o = 0

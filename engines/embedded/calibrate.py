@@ -76,8 +76,9 @@ def forward_probe(model, *, new_tokens: int, context: int, batch: int = 1,
                   decode_step: str = "auto") -> Callable[[], None]:
     """A closure running one forward of ``model`` over ``new_tokens`` positions after ``context`` cached ones, for
     ``batch`` rows (sequences in slots 0..batch-1), on a KV cache of its own through `ragged_forward`: exactly what
-    the scorer/proposer run (the fused step where the engine uses it; a draft step of a head that screens, as the
-    proposer runs it for greedy rows: the hidden states, then the head's own argmax, `quant.BlockLinear.greedy_ids`)."""
+    the scorer/proposer run (the fused step where the engine uses it; for a head that screens, as they run it for
+    greedy rows: the hidden states, then the head's own argmax, `quant.BlockLinear.greedy_ids` for a draft step,
+    `kernels.TiledLinear.greedy_ids` for the target's step or verify)."""
     from specbuild.engines.embedded.kvcache import KVCache
     from specbuild.engines.embedded.model import ragged_forward
 
@@ -90,11 +91,12 @@ def forward_probe(model, *, new_tokens: int, context: int, batch: int = 1,
     rows = torch.randint(0, cfg.vocab_size, (batch, new_tokens), generator=gen).tolist()
 
     head = model.lm_head
-    if new_tokens == 1 and hasattr(head, "screens") and head.screens():
+    if hasattr(head, "screens") and head.screens() and (new_tokens == 1 or hasattr(head, "panels")):
         head.prepare_screen()
 
         def step() -> None:
-            head.greedy_ids(ragged_forward(model, cache, list(range(batch)), [context] * batch, rows, "hidden", device))
+            head.greedy_ids(ragged_forward(model, cache, list(range(batch)), [context] * batch, rows, "hidden_all",
+                                           device))
         return step
 
     def step() -> None:

@@ -112,6 +112,7 @@ class TiledLinear(nn.Module):
         self.bias = linear.bias
         self._ext = ext
         self._none = torch.empty(0)
+        self._screen = None         # (Q8_0 blocks, scales, row norms) for greedy_ids, or False: not screened
 
     @property
     def weight(self) -> torch.Tensor:
@@ -124,6 +125,64 @@ class TiledLinear(nn.Module):
         b = self._none if self.bias is None else self.bias.detach()
         y = self._ext.tiled_linear(x.reshape(-1, self.in_features).float(), self.panels, b, self.out_features)
         return y.reshape(*lead, self.out_features)
+
+    # A greedy row's token without reading the whole fp32 weight (csrc/fused.cpp `bounded_argmax`): a Q8_0 copy of it
+    # ranks the outputs within a proven error bound and only those that can still be the largest are computed here,
+    # so the token is bitwise the argmax of `forward`'s output. For the target's lm_head (49152 x 576: 113 MB of
+    # panels, a Q8_0 copy of 30 MB) at one greedy row; a row with more than SCREEN_CAP candidates reads it all.
+    SCREEN_CAP = 512
+    screen_min_out = 4096       # smaller layers: a full read is as cheap as the screen
+
+    def screens(self) -> bool:
+        """Does `greedy_ids` screen on a Q8_0 copy (a bias-free layer of screen_min_out outputs or more, whose
+        weight fits fp16 block scales; `prepare_screen` made it or can)?"""
+        return (self.bias is None and self.out_features >= self.screen_min_out and self.in_features % 32 == 0
+                and hasattr(self._ext, "bounded_argmax") and getattr(self, "_screen", None) is not False)
+
+    def prepare_screen(self) -> None:
+        """Make the Q8_0 copy and its row norms `greedy_ids` reads (~30 MB for a 49152 x 576 head; about a second),
+        at load rather than in the first request's step. A weight whose block scales fp16 cannot hold is left
+        unscreened (`screens()` turns False)."""
+        if getattr(self, "_screen", None) is not None or not self.screens():
+            return
+        from specbuild.core.errors import UsageError
+        from specbuild.engines.embedded.blocks import interleave_blocks, quantize_blocks
+
+        w = self.weight.double()
+        qs, d, _, _ = quantize_blocks(w.float(), "q8_0")
+        try:
+            iq, idd, _ = interleave_blocks(qs, d, None)
+        except UsageError:
+            self._screen = False
+            return
+        w8 = qs.double() * d.half().double()[..., None]              # the blocks as the kernel reads them
+        w8 = w8.reshape(self.out_features, self.in_features)
+        up = 1 + 1e-6                                                 # norms rounded up, never down
+        norms = torch.stack((w.norm(dim=1), w8.norm(dim=1), (w - w8).norm(dim=1))) * up
+        self._screen = (iq, idd, norms.float().contiguous())
+
+    def greedy_read_bytes(self) -> int:
+        """Bytes a greedy row reads of this layer: its Q8_0 copy and norms where it screens, else its panels."""
+        if self.screens():
+            self.prepare_screen()
+        if self.screens():
+            return sum(t.numel() * t.element_size() for t in self._screen)
+        return self.panels.numel() * self.panels.element_size()
+
+    def greedy_ids(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> list[int]:
+        """Each row's argmax of this layer's output for x [M, in]: bitwise `sampling.greedy_ids(self(x))`, read
+        through the Q8_0 screen where `screens()`. counts: an [M] int64 tensor to receive each row's number of
+        candidates (-1: decided on the full weight for a NaN or infinity; > SCREEN_CAP: the full weight too)."""
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        if self.screens():
+            self.prepare_screen()
+        if self.screens():
+            iq, idd, norms = self._screen
+            return self._ext.bounded_argmax(x2, iq, idd, norms, self.panels, self.out_features, self.SCREEN_CAP,
+                                            counts if counts is not None else torch.empty(0, dtype=torch.long))
+        from specbuild.engines.embedded.sampling import greedy_ids
+
+        return greedy_ids(self(x2))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=tiled (16-output panels)"

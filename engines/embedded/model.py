@@ -237,6 +237,16 @@ class Transformer(nn.Module):
         shared = isinstance(lm_w, torch.Tensor) and lm_w.data_ptr() == emb.data_ptr()
         return self.num_bytes() - (0 if shared else emb.numel() * emb.element_size())
 
+    def greedy_step_bytes(self) -> int:
+        """Bytes one greedy decode step streams: `step_bytes`, with the lm_head's share as a greedy row reads it
+        (a screening head reads its Q8_0 copy, not its fp32 weight: kernels.TiledLinear.greedy_read_bytes)."""
+        head = self.lm_head
+        if not hasattr(head, "greedy_read_bytes"):
+            return self.step_bytes()
+        own = sum(t.numel() * t.element_size() for t in head.buffers()) + sum(
+            p.numel() * p.element_size() for p in head.parameters())
+        return self.step_bytes() - own + head.greedy_read_bytes()
+
 
 @torch.inference_mode()
 def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int], rows: list[list[int]],
@@ -246,7 +256,8 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
 
     logits: "last" -> [B, V] at each row's last token; "all" -> [sum(len(row)), V] row-major; "none" -> None;
     "hidden" -> [B, D]: the final-normed hidden state at each row's last token (the lm_head's input: a greedy
-    draft picks its token from it with `lm_head.greedy_ids`).
+    draft picks its token from it with `lm_head.greedy_ids`); "hidden_all" -> [sum(len(row)), D]: at every row
+    (a greedy verify's, scorer.py).
     between: on the fused step, and for a model whose step streams PIECES_MIN_BYTES or more, the layers run in
     PIECES pieces and `between()` is called after each (the last one before the lm_head): the scheduler
     prefills a request that arrived during a verify or a draft step there, so its first token does not wait for
@@ -278,7 +289,7 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
         idx = None
     else:
         idx = torch.tensor([b * T + t for b, n in enumerate(lens) for t in range(n)], device=device)
-    out = model(tokens, meta, cache, idx, hidden=logits == "hidden")
+    out = model(tokens, meta, cache, idx, hidden=logits in ("hidden", "hidden_all"))
     return None if logits == "none" else out
 
 
@@ -313,7 +324,7 @@ def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str,
     if logits in ("last", "hidden"):
         ends = list(itertools.accumulate(len(r) for r in rows))
         h = h.index_select(0, torch.tensor([e - 1 for e in ends], device=device))
-    return model.norm(h) if logits == "hidden" else model.lm_head(model.norm(h)).float()
+    return model.norm(h) if logits in ("hidden", "hidden_all") else model.lm_head(model.norm(h)).float()
 
 
 class CachedRunner:

@@ -160,8 +160,8 @@ class Scheduler:
         # that arrives meanwhile is prefilled between the forward's pieces (`_admit_arrivals`), so its first
         # token waits for a third of the layers, not for a verify of every sequence's K + 1 positions.
         logits = self._stage("score", seqs, lambda ss, ix: self.scorer.score(
-            ss, [proposals[i].token_ids for i in ix], between=lambda: self._admit_arrivals(admitted)),
-            skip=proposals)
+            ss, [proposals[i].token_ids for i in ix], between=lambda: self._admit_arrivals(admitted),
+            tokens_only=self.acceptance_rule == EXACT), skip=proposals)
         t2 = self.clock()
         verify_s = t2 - t1b - sum(admitted)          # the verify's own time (adaptive K prices K with it)
         with self.lock:                                                  # metrics() reads the samples

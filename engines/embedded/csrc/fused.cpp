@@ -1378,6 +1378,132 @@ std::vector<int64_t> screened_argmax(torch::Tensor x, torch::Tensor qs4, torch::
   return out;
 }
 
+// ---- the target's greedy token without reading its fp32 lm_head ---------------------------------------------
+// A greedy row's token is the argmax of the fp32 head's logits y = W x (the tiled kernel: each output one fma chain
+// over k). A Q8_0 copy of W on int8 x gives every logit s_r at a quarter of the bytes (113 -> 30 MB for a 49152 x
+// 576 head), and s_r is provably within B_r of y_r:
+//   |s_r - y_r| <= |w8_r . xq - w_r . x| + rounding <= ||w_r - w8_r|| ||x|| + ||w8_r|| ||x - xq|| + slack_r
+// (Cauchy-Schwarz on (w8 - w) . x + w8 . (xq - x); w8, xq the dequantized blocks; slack_r = 2e-4 (||w_r|| ||x|| +
+// ||w8_r|| ||xq||), far above the rounding of both sums: an fma chain of K = 576 terms errs by at most
+// K 2^-24 sum |w x| = 3.4e-5 ||w|| ||x||). With L = max_r (s_r - B_r), every r with s_r + B_r < L has y_r < L <= the
+// y of the row that attains L: the argmax (the first of equal maxima, as torch's) is among the candidates
+// s_r + B_r >= L, whose y_r are computed here on the head's own panels by the tiled kernel (bitwise the full
+// head's). So the token is the full head's, always; a row with more than `cap` candidates, a NaN or an infinity
+// is decided on the full head. norms [3, N]: ||w_r||, ||w8_r||, ||w_r - w8_r|| (rounded up; quant.py).
+std::vector<int64_t> bounded_argmax(torch::Tensor x, torch::Tensor qs8, torch::Tensor d8, torch::Tensor norms,
+                                    torch::Tensor P, int64_t N, int64_t cap, torch::Tensor counts) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+              "bounded_argmax: x must be [M, K] float32 on the CPU");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  TORCH_CHECK(K % QK == 0 && N > 0, "bounded_argmax: in_features must be a multiple of 32");
+  check_blocks(Q8_0_Q8, qs8, d8, torch::Tensor(), N, K);
+  check_panels(P, N, K);
+  TORCH_CHECK(norms.dim() == 2 && norms.size(0) == 3 && norms.size(1) == N && norms.is_contiguous() &&
+              norms.scalar_type() == torch::kFloat32, "bounded_argmax: norms must be [3, N] float32");
+  TORCH_CHECK(!counts.defined() || counts.numel() == 0 ||
+              (counts.numel() == M && counts.scalar_type() == torch::kInt64 && counts.is_contiguous()),
+              "bounded_argmax: counts must be empty or [M] int64");
+  std::vector<int64_t> out(M);
+  const float* xp = x.data_ptr<float>();
+  const float* pp = P.data_ptr<float>();
+  const float *nw = norms.data_ptr<float>(), *n8 = nw + N, *ne = nw + 2 * N;
+  int64_t* cnt_out = counts.defined() && counts.numel() ? counts.data_ptr<int64_t>() : nullptr;
+  py::gil_scoped_release nogil;
+  static thread_local std::vector<float> s;
+  if (static_cast<int64_t>(s.size()) < M * N) s.resize(M * N);
+  float* sp = s.data();
+  block_gemm_q8_t<2>(xp, M, K, qs8.data_ptr(), static_cast<const uint16_t*>(d8.data_ptr()), nullptr, nullptr, sp, N);
+  parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    static thread_local std::vector<float> full;
+    static thread_local std::vector<int32_t> cand;
+    static thread_local std::vector<int8_t> xq;
+    static thread_local std::vector<float> xd, xs;
+    if (static_cast<int64_t>(full.size()) < N + PANEL) full.resize(N + PANEL);
+    xq.resize(K);
+    xd.resize(nb);
+    xs.resize(nb);
+    for (int64_t r = r0; r < r1; r++) {
+      const float* xr = xp + r * K;
+      const float* sr = sp + r * N;
+      quantize_row_q8(xr, K, xq.data(), xd.data(), xs.data());   // as block_gemm_q8_t quantized this row
+      double X = 0, XQ = 0, DX = 0;
+      for (int64_t k = 0; k < K; k++) {
+        const double v = xr[k], q = static_cast<double>(xq[k]) * xd[k / QK];
+        X += v * v; XQ += q * q; DX += (v - q) * (v - q);
+      }
+      bool ok = std::isfinite(X) && std::isfinite(XQ);
+      // B_n = (ne X + n8 DX + 2e-4 (nw X + n8 XQ)) (1 + 1e-5): its own float arithmetic rounded up with it
+      const float up = 1.00001f;
+      const float cx = static_cast<float>(std::sqrt(X) * (1 + 1e-6)) * up;
+      const float cdx = static_cast<float>(std::sqrt(DX) * (1 + 1e-6)) * up;
+      const float cw = 2e-4f * cx, c8 = 2e-4f * static_cast<float>(std::sqrt(XQ) * (1 + 1e-6)) * up;
+      const __m256 vx = _mm256_set1_ps(cx), vdx = _mm256_set1_ps(cdx), vw = _mm256_set1_ps(cw),
+                   v8 = _mm256_set1_ps(c8);
+      auto bound8 = [&](int64_t n) {
+        const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ne + n), vx);
+        const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(n8 + n), _mm256_add_ps(vdx, v8));
+        return _mm256_add_ps(_mm256_add_ps(a, b), _mm256_mul_ps(_mm256_loadu_ps(nw + n), vw));
+      };
+      auto bound1 = [&](int64_t n) { return ne[n] * cx + n8[n] * (cdx + c8) + nw[n] * cw; };
+      __m256 vmax = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+      const __m256 inf = _mm256_set1_ps(INFINITY);
+      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      int64_t n = 0;
+      for (; n + 8 <= N; n += 8) {
+        const __m256 sv = _mm256_loadu_ps(sr + n);
+        vmax = _mm256_max_ps(vmax, _mm256_sub_ps(sv, bound8(n)));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(sv, absmask), inf, _CMP_NLT_UQ));  // NaN or +-inf
+      }
+      alignas(32) float m8[8];
+      _mm256_store_ps(m8, vmax);
+      float L = -INFINITY;
+      for (int j = 0; j < 8; j++) L = std::max(L, m8[j]);
+      for (; n < N; n++) {
+        if (!std::isfinite(sr[n])) ok = false;
+        L = std::max(L, sr[n] - bound1(n));
+      }
+      ok = ok && _mm256_movemask_ps(bad) == 0 && std::isfinite(L);
+      cand.clear();
+      if (ok) {
+        const __m256 vl = _mm256_set1_ps(L);
+        for (n = 0; n + 8 <= N && static_cast<int64_t>(cand.size()) <= cap; n += 8) {
+          int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(sr + n), bound8(n)), vl,
+                                                      _CMP_GE_OQ));
+          while (mask) {
+            cand.push_back(static_cast<int32_t>(n + __builtin_ctz(mask)));
+            mask &= mask - 1;
+          }
+        }
+        for (; n < N && static_cast<int64_t>(cand.size()) <= cap; n++)
+          if (sr[n] + bound1(n) >= L) cand.push_back(static_cast<int32_t>(n));
+      }
+      if (cnt_out) cnt_out[r] = ok ? static_cast<int64_t>(cand.size()) : -1;
+      int64_t best = -1;
+      if (ok && !cand.empty() && static_cast<int64_t>(cand.size()) <= cap) {
+        float bv = 0.f;
+        int64_t done = -1;                     // candidates in ascending order: each panel computed once
+        for (const int32_t c : cand) {
+          const int64_t pan = c / PANEL;
+          if (pan != done) {
+            row_tile(1, xr, K, pp, pan, pan + 1, full.data(), N);
+            done = pan;
+          }
+          const float y = full[c];
+          if (!std::isfinite(y)) { best = -1; break; }
+          if (best < 0 || y > bv) { best = c; bv = y; }   // ascending ids: a tie keeps the first
+        }
+      }
+      if (best < 0) {                           // the full head, as the tiled kernel gives it
+        tiled_gemm(xr, 1, K, pp, nullptr, full.data(), N);
+        best = argmax_row(full.data(), N);
+      }
+      out[r] = best;
+    }
+  });
+  return out;
+}
+
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor P, torch::Tensor bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "tiled_linear: x must be [M, K] float32");
   check_panels(P, N, x.size(1));
@@ -1398,6 +1524,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("tiled_linear", &tiled_linear, "y = x @ W^T (+ bias) on the tiled kernel, W as pack_panels(W), N outputs");
   mod.def("screened_argmax", &screened_argmax, "a greedy draft's tokens: x [M, K] on a Q4_1 head's candidates, "
           "decided on its Q8_0 head (both interleaved), N outputs");
+  mod.def("bounded_argmax", &bounded_argmax, "an fp32 head's greedy tokens: x [M, K] screened on its Q8_0 copy "
+          "(interleaved) with a proven bound, decided on its panels; -> the full head's argmax", py::arg("x"),
+          py::arg("qs8"), py::arg("d8"), py::arg("norms"), py::arg("panels"), py::arg("N"), py::arg("cap"),
+          py::arg("counts") = torch::Tensor());
   mod.def("argmax_rows", &argmax_rows, "x [M, N] float32 -> each row's argmax as torch.argmax(-1) gives it");
   mod.def("pack_panels", &pack_panels, "W [N, K] fp32 -> the tiled kernel's panels [ceil(N / 16), K, 16]");
   py::class_<Runner>(mod, "Runner")
