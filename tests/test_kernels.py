@@ -202,9 +202,9 @@ def test_a_screened_fp32_head_gives_the_full_heads_argmax_bit_for_bit(monkeypatc
 
 @needs_ext
 def test_a_greedy_verify_reads_the_screened_head_and_keeps_every_token(tiny_llama, monkeypatch):
-    """The scorer takes a greedy verify's tokens from the target head's screen (`scorer.GreedyRows`): the same
-    tokens and accepted counts as from the full logits, with speculation off and on; a sampling request or one
-    still suppressing its stop ids gets the logits as before."""
+    """The scorer takes a greedy verify's tokens from the target head's screen (`scorer.GreedyRows`), and the
+    scheduler a greedy first token after the prefill: the same tokens and accepted counts as from the full logits,
+    with speculation off and on; a sampling request or one still suppressing its stop ids gets the logits."""
     from specbuild.engines.embedded import Engine, SamplingParams
     from specbuild.engines.embedded.scorer import TargetScorer
 
@@ -227,6 +227,7 @@ def test_a_greedy_verify_reads_the_screened_head_and_keeps_every_token(tiny_llam
 
     screened = run()
     assert len(calls) > 0 and max(calls) > len(prompts)          # verifies of K + 1 rows read the screen
+    assert calls.count(1) >= 2 * len(prompts)                    # and each request's first token, after its prefill
     monkeypatch.setattr(TargetScorer, "screens", lambda self: False)
     n = len(calls)
     full = run()

@@ -336,16 +336,17 @@ class CachedRunner:
         self.model, self.cache, self.device = model, cache, device
 
     @torch.inference_mode()
-    def feed(self, seqs, ends: list[int], want_logits: bool = False):
+    def feed(self, seqs, ends: list[int], want_logits: bool = False, hidden: bool = False):
         """Cache tokens[len:end] of each sequence (one ragged forward; a chunk of a prompt, or a whole one) and
         advance its length counter to `end`. want_logits: -> [B, V] logits after each row's last fed token
-        (for a completed prompt: the first generated token's distribution), else None."""
+        (for a completed prompt: the first generated token's distribution), else None; with `hidden`, the
+        lm_head's input [B, D] there instead."""
         rows = [s.tokens[getattr(s, self.length_attr):e] for s, e in zip(seqs, ends)]
         if not seqs or not all(rows):
             raise ValueError("feed needs at least one new token per sequence")
         logits = ragged_forward(self.model, self.cache, [s.slot for s in seqs],
                                 [getattr(s, self.length_attr) for s in seqs], rows,
-                                "last" if want_logits else "none", self.device)
+                                ("hidden" if hidden else "last") if want_logits else "none", self.device)
         for s, e in zip(seqs, ends):
             setattr(s, self.length_attr, e)
         return logits

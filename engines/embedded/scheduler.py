@@ -274,9 +274,10 @@ class Scheduler:
             self._fed_this_step = True
             try:
                 t0 = self.clock()
-                logits = self.scorer.feed(chunk, ends, want_logits=True)
+                hidden = self.scorer.screens()          # the head's input: a greedy first token reads its screen
+                out = self.scorer.feed(chunk, ends, want_logits=True, hidden=hidden)
                 done = [i for i, s in enumerate(chunk) if s.target_len == len(s.tokens)]
-                firsts = self._first_tokens([chunk[i] for i in done], logits[done]) if done else []
+                firsts = self._first_tokens([chunk[i] for i in done], out[done], hidden) if done else []
                 dt = self.clock() - t0
             except Exception as e:  # noqa: BLE001 - reported to the requests, the engine keeps serving
                 log.exception("prefill failed")  # (not re-raised: step() would also fail the other requests)
@@ -299,14 +300,22 @@ class Scheduler:
         if catch_up:
             self._catch_up_drafts()
 
-    def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | None]:
-        """The first generated token of each sequence from its prompt's last-position logits [B, V], exactly as
-        a plain decode step would choose it; None for a sequence whose choice raised (it alone is stopped, with
-        reason "error", as `_stage` does: one request's error is that request's alone)."""
+    def _first_tokens(self, seqs: list[Sequence], logits: torch.Tensor, hidden: bool = False) -> list[int | None]:
+        """The first generated token of each sequence from its prompt's last-position logits [B, V] (`hidden`: the
+        lm_head's input [B, D]: a greedy sequence with nothing to suppress takes the head's `greedy_ids`, the
+        bitwise argmax of its logits, the others the logits), exactly as a plain decode step would choose it; None
+        for a sequence whose choice raised (it alone is stopped, with reason "error", as `_stage` does: one
+        request's error is that request's alone)."""
+        head = self.scorer.model.lm_head
         out: list[int | None] = []
         for i, s in enumerate(seqs):
             try:
-                out.append(self._first_token(s, logits[i:i + 1]))
+                if not hidden:
+                    out.append(self._first_token(s, logits[i:i + 1]))
+                elif s.params.greedy and not (s.params.min_tokens and s.stop_ids):
+                    out.append(head.greedy_ids(logits[i:i + 1])[0])
+                else:
+                    out.append(self._first_token(s, head(logits[i:i + 1]).float()))
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self._fail(s, "first token", e)
                 out.append(None)
