@@ -132,6 +132,7 @@ class TiledLinear(nn.Module):
     # panels, a Q8_0 copy of 30 MB) at one greedy row; a row with more than SCREEN_CAP candidates reads it all.
     SCREEN_CAP = 512
     screen_min_out = 4096       # smaller layers: a full read is as cheap as the screen
+    screen_chunk_rows = 8192    # prepare_screen's rows at a time (a 152k-token head's fp64 copies: 0.1 GB, not 1.9)
 
     def screens(self) -> bool:
         """Does `greedy_ids` screen on a Q8_0 copy (a bias-free layer of screen_min_out outputs or more, whose
@@ -148,18 +149,23 @@ class TiledLinear(nn.Module):
         from specbuild.core.errors import UsageError
         from specbuild.engines.embedded.blocks import interleave_blocks, quantize_blocks
 
-        w = self.weight.double()
-        qs, d, _, _ = quantize_blocks(w.float(), "q8_0")
+        w = self.weight                                               # unpacked once from the panels
+        qs, d, norms = [], [], []
+        step = self.screen_chunk_rows                                 # fp64 temporaries of this many rows at once
+        for a in range(0, self.out_features, step):
+            q, dd, _, _ = quantize_blocks(w[a:a + step], "q8_0")
+            wd = w[a:a + step].double()
+            w8 = (q.double() * dd.half().double()[..., None]).reshape(wd.shape)   # as the kernel reads them
+            norms.append(torch.stack((wd.norm(dim=1), w8.norm(dim=1), (wd - w8).norm(dim=1))))
+            qs.append(q)
+            d.append(dd)
         try:
-            iq, idd, _ = interleave_blocks(qs, d, None)
+            iq, idd, _ = interleave_blocks(torch.cat(qs), torch.cat(d), None)
         except UsageError:
             self._screen = False
             return
-        w8 = qs.double() * d.half().double()[..., None]              # the blocks as the kernel reads them
-        w8 = w8.reshape(self.out_features, self.in_features)
         up = 1 + 1e-6                                                 # norms rounded up, never down
-        norms = torch.stack((w.norm(dim=1), w8.norm(dim=1), (w - w8).norm(dim=1))) * up
-        self._screen = (iq, idd, norms.float().contiguous())
+        self._screen = (iq, idd, (torch.cat(norms, 1) * up).float().contiguous())
 
     def greedy_read_bytes(self) -> int:
         """Bytes a greedy row reads of this layer: its Q8_0 copy and norms where it screens, else its panels."""
