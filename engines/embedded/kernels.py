@@ -129,7 +129,8 @@ class TiledLinear(nn.Module):
     # A greedy row's token without reading the whole fp32 weight (csrc/fused.cpp `bounded_argmax`): a Q8_0 copy of it
     # ranks the outputs within a proven error bound and only those that can still be the largest are computed here,
     # so the token is bitwise the argmax of `forward`'s output. For the target's lm_head (49152 x 576: 113 MB of
-    # panels, a Q8_0 copy of 30 MB) at one greedy row; a row with more than SCREEN_CAP candidates reads it all.
+    # panels, a Q8_0 copy of 30 MB): a greedy step's rows, a verify's K + 1 and a first token (scorer.py,
+    # scheduler.py); a row with more than SCREEN_CAP candidates, a NaN or an infinity reads the whole weight.
     SCREEN_CAP = 512
     screen_min_out = 4096       # smaller layers: a full read is as cheap as the screen
     screen_chunk_rows = 8192    # prepare_screen's rows at a time (a 152k-token head's fp64 copies: 0.1 GB, not 1.9)
