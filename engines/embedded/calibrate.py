@@ -90,8 +90,10 @@ def forward_probe(model, *, new_tokens: int, context: int, batch: int = 1,
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(0, cfg.vocab_size, (batch, new_tokens), generator=gen).tolist()
 
-    head = model.lm_head
-    if hasattr(head, "screens") and head.screens() and (new_tokens == 1 or hasattr(head, "panels")):
+    from specbuild.engines.embedded.kernels import TiledLinear
+
+    head = model.lm_head            # a block head screens a draft step's row; the tiled one every greedy row, exactly
+    if hasattr(head, "screens") and head.screens() and (new_tokens == 1 or isinstance(head, TiledLinear)):
         head.prepare_screen()
 
         def step() -> None:

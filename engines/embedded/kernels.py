@@ -139,13 +139,13 @@ class TiledLinear(nn.Module):
         """Does `greedy_ids` screen on a Q8_0 copy (a bias-free layer of screen_min_out outputs or more, whose
         weight fits fp16 block scales; `prepare_screen` made it or can)?"""
         return (self.bias is None and self.out_features >= self.screen_min_out and self.in_features % 32 == 0
-                and hasattr(self._ext, "bounded_argmax") and getattr(self, "_screen", None) is not False)
+                and hasattr(self._ext, "bounded_argmax") and self._screen is not False)
 
     def prepare_screen(self) -> None:
         """Make the Q8_0 copy and its row norms `greedy_ids` reads (~30 MB for a 49152 x 576 head; about a second),
         at load rather than in the first request's step. A weight whose block scales fp16 cannot hold is left
         unscreened (`screens()` turns False)."""
-        if getattr(self, "_screen", None) is not None or not self.screens():
+        if self._screen is not None or not self.screens():
             return
         from specbuild.core.errors import UsageError
         from specbuild.engines.embedded.blocks import interleave_blocks, quantize_blocks
@@ -168,12 +168,16 @@ class TiledLinear(nn.Module):
         up = 1 + 1e-6                                                 # norms rounded up, never down
         self._screen = (iq, idd, (torch.cat(norms, 1) * up).float().contiguous())
 
+    def _screen_blocks(self) -> tuple | None:
+        """The screen `greedy_ids` reads (made on first need), or None where this layer does not screen."""
+        self.prepare_screen()
+        return self._screen if self.screens() else None
+
     def greedy_read_bytes(self) -> int:
         """Bytes a greedy row reads of this layer: its Q8_0 copy and norms where it screens, else its panels."""
-        if self.screens():
-            self.prepare_screen()
-        if self.screens():
-            return sum(t.numel() * t.element_size() for t in self._screen)
+        screen = self._screen_blocks()
+        if screen is not None:
+            return sum(t.numel() * t.element_size() for t in screen)
         return self.panels.numel() * self.panels.element_size()
 
     def greedy_ids(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> list[int]:
@@ -181,10 +185,9 @@ class TiledLinear(nn.Module):
         through the Q8_0 screen where `screens()`. counts: an [M] int64 tensor to receive each row's number of
         candidates (-1: decided on the full weight for a NaN or infinity; > SCREEN_CAP: the full weight too)."""
         x2 = x.reshape(-1, self.in_features).float().contiguous()
-        if self.screens():
-            self.prepare_screen()
-        if self.screens():
-            iq, idd, norms = self._screen
+        screen = self._screen_blocks()
+        if screen is not None:
+            iq, idd, norms = screen
             return self._ext.bounded_argmax(x2, iq, idd, norms, self.panels, self.out_features, self.SCREEN_CAP,
                                             counts if counts is not None else torch.empty(0, dtype=torch.long))
         from specbuild.engines.embedded.sampling import greedy_ids

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specbuild.engines.embedded.kernels import TiledLinear
 from specbuild.engines.embedded.model import CachedRunner, ragged_forward
 
 
@@ -29,8 +30,8 @@ class TargetScorer(CachedRunner):
     def screens(self) -> bool:
         """Can a greedy verify take its tokens from the lm_head's own `greedy_ids` (kernels.TiledLinear: a Q8_0
         screen with a proven bound, then the fp32 logits of the few outputs that can still be the largest)?"""
-        screens = getattr(self.model.lm_head, "screens", None)
-        return screens is not None and screens()
+        head = self.model.lm_head            # not a block head's greedy_ids: a draft's screen is a guess, not exact
+        return isinstance(head, TiledLinear) and head.screens()
 
     @torch.inference_mode()
     def score(self, seqs, drafts: list[list[int]], between=None, tokens_only: bool = False) -> list:

@@ -1389,7 +1389,7 @@ std::vector<int64_t> screened_argmax(torch::Tensor x, torch::Tensor qs4, torch::
 // y of the row that attains L: the argmax (the first of equal maxima, as torch's) is among the candidates
 // s_r + B_r >= L, whose y_r are computed here on the head's own panels by the tiled kernel (bitwise the full
 // head's). So the token is the full head's, always; a row with more than `cap` candidates, a NaN or an infinity
-// is decided on the full head. norms [3, N]: ||w_r||, ||w8_r||, ||w_r - w8_r|| (rounded up; quant.py).
+// is decided on the full head. norms [3, N]: ||w_r||, ||w8_r||, ||w_r - w8_r|| (rounded up; kernels.py).
 std::vector<int64_t> bounded_argmax(torch::Tensor x, torch::Tensor qs8, torch::Tensor d8, torch::Tensor norms,
                                     torch::Tensor P, int64_t N, int64_t cap, torch::Tensor counts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
