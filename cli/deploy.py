@@ -43,8 +43,8 @@ def _trtllm_options(f):
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="torch CPU threads of the engine (0 = torch's default; embedded only).")
 @click.option("--max-queue-size", type=click.IntRange(min=0), default=None,
-              help="Requests that may wait for a batch slot before new ones get 503 (embedded only). "
-                   "Default: the build's, 4 x its max batch size.")
+              help="Requests that may wait for a batch slot before new ones get 503; 0 = no limit, as in "
+                   "Triton (embedded only). Default: the build's, 4 x its max batch size.")
 @click.option("--queue-timeout", type=click.FloatRange(min=0), default=None,
               help="Seconds a request may wait for a slot before it gets 503; 0 = no limit (embedded only). "
                    "Default: the build's, 300.")

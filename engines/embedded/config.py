@@ -150,7 +150,8 @@ class EngineConfig:
     decode_step: str = "auto"                # "auto" | "fused" | "eager" (fused.py)
     online_costs: bool = True                # adaptive K prices K with step costs measured while serving
     acceptance_rule: str = EXACT             # "exact" | "unsafe-always-accept" (deliberate fault, tests only)
-    max_queue_size: int | None = None        # waiting requests before refusing; None = 4 x max_batch_size
+    max_queue_size: int | None = None        # waiting requests before refusing; None = 4 x max_batch_size;
+                                             # 0 = no limit (as Triton's own max_queue_size)
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S    # longest wait for a slot; None = no limit
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S  # longest life of a request; None = no limit
     calibration: dict | None = None          # calibrate.Calibration.to_dict() (+ crossover): the measured costs
@@ -181,7 +182,11 @@ class EngineConfig:
         return self.draft is not None
 
     @property
-    def queue_limit(self) -> int:
+    def queue_limit(self) -> int | None:
+        """Requests that may wait for a slot; None = no limit (max_queue_size 0, as Triton's own max_queue_size:
+        a queue of 0 would refuse every request, since each one waits for its first step)."""
+        if self.max_queue_size == 0:
+            return None
         return self.max_queue_size if self.max_queue_size is not None else QUEUE_PER_SLOT * self.max_batch_size
 
     def replace(self, **changes) -> "EngineConfig":

@@ -305,7 +305,7 @@ class Frontend:
         m = dict(self.engine.metrics())
         with self._lock:
             m.update(self.counters, live=len(self._entries), active=self._active)
-        m["queue_limit"] = self.engine.config.queue_limit
+        m["queue_limit"] = self.engine.config.queue_limit or 0        # 0: no limit
         m["slots_total"] = self.engine.config.max_batch_size
         return m
 

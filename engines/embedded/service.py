@@ -343,7 +343,7 @@ def load_frontend(engine_dir: str, params: dict, metrics_sink):
 
 
 def admission_limits(params: dict) -> dict:
-    """max_queue_size (requests), queue_timeout_s and request_timeout_s (seconds; 0 = no limit); "" = keep."""
+    """max_queue_size (requests), queue_timeout_s and request_timeout_s (seconds); 0 = no limit; "" = keep."""
     out = {}
     if str(params.get("max_queue_size", "")).strip():
         out["max_queue_size"] = int(params["max_queue_size"])
