@@ -20,6 +20,8 @@ TRTLLM_OPTIONS = {
     "draft_kv_cache_free_gpu_mem_fraction": (float, "Draft KV-cache fraction (default 0.2 shared, else 0.9)."),
     "bls_instance_count": (int, "tensorrt_llm_bls instances (default: max batch size)."),
     "backend_models_dir": (str, "Where the container keeps upstream's Python models (default /app/all_models)."),
+    "host": (str, "Address the launched server binds (default 127.0.0.1; 0.0.0.0 inside a container whose ports "
+                  "you publish)."),
 }
 
 
@@ -101,6 +103,7 @@ def deploy_command(workdir, backend, max_batch_size, device, threads, max_queue_
       specbuild deploy --max-queue-size 64 --queue-timeout 30 --request-timeout 120
       specbuild deploy --dry-run
       specbuild deploy --backend trtllm --target-gpu-ids 0 --draft-gpu-ids 0 --fast-logits --dry-run
+      specbuild deploy --backend trtllm --host 0.0.0.0        # inside a container: publish the ports
       specbuild deploy --backend trtllm --rehearse     # then: specbuild serve --rehearse --backend-models-dir DIR
       specbuild deploy --kubernetes --image registry.example.com/specbuild:0.1 --replicas 2
       specbuild deploy --kubernetes --image registry.example.com/specbuild:0.1 --artifacts s3://bucket/work

@@ -59,3 +59,20 @@ def test_dry_run_chain_on_the_default_llmapi_path_states_what_it_assumed(tiny_ll
 def test_trtllm_only_deploy_flags_are_refused_for_embedded(tmp_path):
     r = _run("deploy", "--workdir", str(tmp_path), "--fast-logits")
     assert r.exit_code == 2 and "--backend trtllm only" in r.output
+
+
+@pytest.mark.parametrize("pin", [["--trtllm-generation", "engine"], []], ids=["engine", "llmapi"])
+def test_deploy_host_flag_reaches_the_launch(tiny_llama, tiny_llama_draft, tmp_path, pin):
+    """Inside a container the server must bind 0.0.0.0 for published ports to answer: `--host` says so (default
+    127.0.0.1), on both generations' launch lines."""
+    w = tmp_path / "w"
+    r = _run("deploy", "--backend", "trtllm", "--workdir", str(w), "--dry-run", *pin)
+    assert r.exit_code == 0, r.output
+    assert "0.0.0.0" not in r.output and "127.0.0.1" in r.output
+    r = _run("deploy", "--backend", "trtllm", "--workdir", str(w), "--host", "0.0.0.0", "--dry-run", *pin)
+    assert r.exit_code == 0, r.output
+    assert "127.0.0.1" not in r.output
+    assert ("--http-address=0.0.0.0" in r.output) if pin else ("--host 0.0.0.0" in r.output)
+    r = _run("deploy", "--workdir", str(w), "--host", "0.0.0.0")
+    assert r.exit_code == 2 and "--backend trtllm only" in r.output
+

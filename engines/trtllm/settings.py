@@ -75,7 +75,6 @@ class Settings:
     draft_gpu_ids: str
     kv_cache_free_gpu_mem_fraction: float
     draft_kv_cache_free_gpu_mem_fraction: float
-    exclude_input_in_output: bool
     bls_instance_count: int
     http_port: int
     grpc_port: int
@@ -157,9 +156,6 @@ def settings_from(options: Mapping[str, Any], installed: str | None = None) -> S
         max_num_tokens=max_num_tokens, max_draft_len=max_draft_len, use_draft_logits=use_draft_logits,
         fast_logits=fast_logits, target_gpu_ids=target_gpu_ids, draft_gpu_ids=draft_gpu_ids,
         kv_cache_free_gpu_mem_fraction=target_frac, draft_kv_cache_free_gpu_mem_fraction=draft_frac,
-        # The engines' default when a request does not say; upstream's DTM recipe (newest README) uses
-        # false. specbuild clients and GenAI-Perf send exclude_input_in_output per request.
-        exclude_input_in_output=bool(_get(options, "exclude_input_in_output", False)),
         bls_instance_count=_int(options, "bls_instance_count", max_batch_size),
         http_port=_int(options, "http_port", 8000), grpc_port=_int(options, "grpc_port", 8001),
         metrics_port=_int(options, "metrics_port", 8002), host=str(_get(options, "host", "127.0.0.1")),
