@@ -83,6 +83,11 @@ class Engine:
                            max_seq=config.max_seq_len, head_dim=c.head_dim, dtype=m.embed.weight.dtype, device=dev,
                            decode_step=config.decode_step)
 
+        from specbuild.engines.embedded.hugepages import place_weights_
+
+        for m in (target, draft):            # the streamed weights on 2 MB pages, before any runner takes them
+            if m is not None and place_weights_(m):
+                log.info("%s's streamed weights on transparent huge pages", "target" if m is target else "draft")
         self.scorer = TargetScorer(target, cache_for(target), dev)
         proposer = None
         if draft is not None and config.draft_kv == "shared":
