@@ -46,7 +46,7 @@ demo:
 # 2 runs per cell at full length: 9.6 min on the 2-core VM (208 + 230 + 139 s, 2026-12-01 with oneDNN linears).
 bench:
 	$(BIN)/python bench/bench_engine.py --runs 2 --out bench/results/engine.json
-	$(BIN)/python bench/bench_served.py --runs 2 --out bench/results/served.json
+	$(BIN)/python bench/bench_served.py --runs 4 --out bench/results/served.json
 	$(BIN)/python bench/bench_adaptive.py --runs 6 --out bench/results/adaptive.json
 
 # llama.cpp beside the engine on the same machine, model and precisions (needs `make llamacpp` once)
