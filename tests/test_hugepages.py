@@ -73,19 +73,26 @@ def test_nothing_moves_where_huge_pages_are_off_or_refused(tiny_llama, monkeypat
 
 
 @needs_ext
-@pytest.mark.skipif(hugepages.available() is not None, reason=f"huge pages here: {hugepages.available()}")
-def test_the_kernel_backs_the_mapping_with_huge_pages(tiny_llama):
-    """Where THP is on (madvise or always), the mapping is backed by huge pages, not only marked for them: its own
-    entry in /proc/self/smaps holds at least one 2 MB page."""
+def test_the_mapping_asks_for_huge_pages_over_whole_pages(tiny_llama, monkeypatch):
+    """The kernel sees the mapping marked for huge pages (its smaps VmFlags carry `hg`, MADV_HUGEPAGE), and the
+    weights' 2 MB-aligned start leaves room for whole huge pages up to their end wherever the mapping lands (a
+    tiny model's weights, under 2 MB, would otherwise fit none when the alignment ate the slack). Whether the kernel
+    backs it with huge pages then depends on its free memory; measured: bench/README.md, "2026-12-07 evening"."""
+    monkeypatch.setattr(hugepages, "available", lambda: None)
     eng = _engine(tiny_llama)
     arena = eng.target._huge_pages
     start = torch.frombuffer(arena, dtype=torch.uint8).data_ptr()
-    huge_kb = None
-    for block in Path("/proc/self/smaps").read_text().split("\n"):
-        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", block)
+    tensors = [hugepages._get(*s) for s in hugepages.streamed_tensors(eng.target)]
+    first = min(t.data_ptr() for t in tensors)
+    last = max(t.data_ptr() + t.numel() * t.element_size() for t in tensors)
+    pages = -(-(last - first) // hugepages.HUGE)
+    assert first % hugepages.HUGE == 0 and first + pages * hugepages.HUGE <= start + len(arena)
+    flags = None
+    for line in Path("/proc/self/smaps").read_text().split("\n"):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
         if m:
             inside = int(m.group(1), 16) <= start < int(m.group(2), 16)
-        elif inside and block.startswith("AnonHugePages:"):
-            huge_kb = int(block.split()[1])
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
             break
-    assert huge_kb is not None and huge_kb >= 2048, f"the target's mapping holds {huge_kb} kB of huge pages"
+    assert flags is not None and "hg" in flags, flags

@@ -100,8 +100,9 @@ def place_weights_(model: nn.Module) -> int:
         return 0
     sizes = [(t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN for t in tensors]
     total = sum(sizes)
+    span = (total + HUGE - 1) // HUGE * HUGE                # whole huge pages from the aligned start ...
     try:
-        arena = mmap.mmap(-1, total + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena = mmap.mmap(-1, span + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # ... wherever it lands
         arena.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError) as e:
         log.info("weights stay on base pages: %s", e)
