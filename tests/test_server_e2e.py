@@ -133,7 +133,9 @@ def test_16_concurrent_streams_interleave(running_server, reference):
 
 
 def _anchor_and_streams(srv, n: int) -> tuple[dict, list]:
-    """The anchor (1000 tokens, not streamed) and, once it runs, n streams released together -> (anchor, streams)."""
+    """The anchor (1000 tokens, not streamed) and, once it runs, n streams released together -> (anchor, streams).
+    The streams' clients and threads are ready before the anchor starts, so what separates "the anchor runs" from
+    the sends is one barrier, not n clients' construction (on a slowed 2-core box that took longer than the anchor)."""
     anchor: dict = {}
 
     def run_anchor():
@@ -141,26 +143,35 @@ def _anchor_and_streams(srv, n: int) -> tuple[dict, list]:
                                                                           min_tokens=1000)
         anchor["done"] = time.perf_counter()
 
-    anchor_thread = threading.Thread(target=run_anchor)
-    anchor_thread.start()
-    wait_metrics(srv, lambda m: metric(m, "specbuild_running_requests") >= 1, "the anchor running")
-    assert "done" not in anchor, "the anchor finished before the test could start the others"
-    barrier = threading.Barrier(n)
+    clients = [client(srv, contract.CLIENT_MODELS[i % 2]) for i in range(n)]
+    barrier = threading.Barrier(n + 1)                  # the streams and this thread, once the anchor runs
     results: list = [None] * n
     errors: list = []
 
     def one(i):
         try:
-            barrier.wait(timeout=60)
-            results[i] = client(srv, contract.CLIENT_MODELS[i % 2]).generate_stream(PROMPTS[i % 4], **GEN)
+            barrier.wait(timeout=120)
+            results[i] = clients[i].generate_stream(PROMPTS[i % 4], **GEN)
+        except threading.BrokenBarrierError:
+            pass                                        # released without sending: the failure is reported below
         except Exception as e:  # surfaced below
             errors.append(e)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    for t in [*threads, anchor_thread]:
-        t.join(timeout=300)
+    anchor_thread = threading.Thread(target=run_anchor)
+    anchor_thread.start()
+    try:
+        wait_metrics(srv, lambda m: metric(m, "specbuild_running_requests") >= 1, "the anchor running")
+        assert "done" not in anchor, "the anchor finished before the test could start the others"
+        barrier.wait(timeout=60)
+    except BaseException:
+        barrier.abort()
+        raise
+    finally:
+        for t in [*threads, anchor_thread]:
+            t.join(timeout=300)
     assert not errors, errors
     assert "done" in anchor, "the anchor did not finish"
     return anchor, results
