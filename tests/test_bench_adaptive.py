@@ -3,23 +3,18 @@ the *other* runs (`held_out_ratio`), so a fixed K whose own fast run made it "be
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 import statistics
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_adaptive.py"
+from bench_support import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_adaptive_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_adaptive")
 
 
 def test_each_run_is_judged_against_the_k_best_on_the_other_runs(bench):

@@ -3,20 +3,14 @@ speculation, so a decode speedup reaches the end to end only on the decode span 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_engine.py"
+from bench_support import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_engine_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_engine")
 
 
 def test_a_decode_speedup_counts_only_on_the_decode_span(bench):
