@@ -48,6 +48,8 @@ def test_an_engine_on_huge_pages_streams_them_and_decodes_the_same_tokens(tiny_l
         kinds = {attr for _, attr, _ in slots}
         assert kinds >= ({"panels", "_screen"} if model is eng.target else {"_interleaved", "_screen"})
     assert isinstance(dict(eng.target.lm_head.named_buffers())["panels"], torch.Tensor)   # still a buffer
+    # only the head screens: no layer gets a screen of its own (nothing reads one), whatever its width
+    assert all(m._screen is None for m in eng.target.layers.modules() if isinstance(m, TiledLinear))
     moved = _tokens(eng)
     monkeypatch.setattr(hugepages, "available", lambda: "off for the comparison")
     base = _engine(tiny_llama)

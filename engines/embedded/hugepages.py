@@ -49,7 +49,8 @@ def available() -> str | None:
 
 def streamed_tensors(model: nn.Module) -> list[tuple[object, str, int | None]]:
     """(owner, attribute, index) of every tensor a decode step streams: the tiled kernel's panels, the block
-    kernels' blocks as they are read, and the heads' screens (made here if a greedy step would make them)."""
+    kernels' blocks as they are read, and the lm_head's screen (made here, as the scorer or proposer would make it:
+    no other layer's, which nothing reads)."""
     from specbuild.engines.embedded.kernels import TiledLinear
     from specbuild.engines.embedded.quant import BlockLinear
 
@@ -65,10 +66,10 @@ def streamed_tensors(model: nn.Module) -> list[tuple[object, str, int | None]]:
                 out += [(mod, name, None) for name in ("qs", "d", "m") if getattr(mod, name) is not None]
         else:
             continue
-        if hasattr(mod, "prepare_screen"):
+        if mod is model.lm_head:
             mod.prepare_screen()
-            if isinstance(mod._screen, tuple):
-                out += [(mod, "_screen", i) for i, t in enumerate(mod._screen) if t is not None]
+        if isinstance(mod._screen, tuple):
+            out += [(mod, "_screen", i) for i, t in enumerate(mod._screen) if t is not None]
     return out
 
 
