@@ -185,19 +185,16 @@ def test_a_queue_size_of_0_means_no_limit(eng):
     """--max-queue-size 0 (as Triton's own max_queue_size 0) lets any number wait: it used to refuse every request,
     since each one waits for its first step."""
     eng.set_admission(max_queue_size=0)
-    try:
-        assert eng.config.queue_limit is None and eng.scheduler.admission.max_waiting is None
-        fe = Frontend(eng)
-        fe.start(run_engine=False)
-        sinks = {f"r{i}": Sink() for i in range(8)}     # 3 slots, 5 wait
-        for i, (rid, sink) in enumerate(sinks.items()):
-            fe.handle(good(PROMPTS[i % len(PROMPTS)]), sink, rid)
-        assert fe.metrics()["queue_limit"] == 0
-        _step_until_done(eng, sinks)
-        assert all(s.error is None and s.text for s in sinks.values())
-        fe.close()
-    finally:
-        eng.set_admission(max_queue_size=None)
+    assert eng.config.queue_limit is None and eng.scheduler.admission.max_waiting is None
+    fe = Frontend(eng)
+    fe.start(run_engine=False)
+    sinks = {f"r{i}": Sink() for i in range(8)}     # 3 slots, 5 wait
+    for i, (rid, sink) in enumerate(sinks.items()):
+        fe.handle(good(PROMPTS[i % len(PROMPTS)]), sink, rid)
+    assert fe.metrics()["queue_limit"] == 0
+    _step_until_done(eng, sinks)
+    assert all(s.error is None and s.text for s in sinks.values())
+    fe.close()
 
 
 def _step_until_done(eng, sinks: dict) -> None:
