@@ -9,6 +9,13 @@ Triton model runs it):
           the previous answer is complete; user i starts i * 0.15 s after the first); TTFT = submit -> first
           streamed token, e2e = submit -> final delta
   batch   32 requests at once into the 8 slots (continuous batching); output tok/s over the whole batch
+  pair    the served batch path at 2 users against the engine's own 2 sequences, on the same requests: 2
+          closed-loop non-streaming users, each sending the batch profile's summarization prompts (the chat
+          template, cut to 1024 tokens) one after the other ("served"), then the same requests, request j of both
+          users submitted together and decoded as one pair ("engine": the shape of the engine bench's 2-sequence
+          point). Output tok/s over each cell's wall time; per request also its decode span (first token ->
+          last), so the gain decoding alone gives is seen beside the gain the prefill leaves of it. Issue 30's
+          goal: the served gain within 10 % of the engine's (served ÷ engine >= 0.9)
   modes   off (num_draft_tokens=0), default (no K sent: the deployment's policy), forced (K = the build's
           default K sent explicitly)
 
@@ -40,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import engine_dir, log  # noqa: E402  (the same build recipe and workspace)
 
 from specbuild.engines.embedded import Engine, SamplingParams  # noqa: E402
-from specbuild.loadtests.promptsets import chat_prompts  # noqa: E402
+from specbuild.loadtests.promptsets import chat_prompts, summarize_prompts  # noqa: E402
 from specbuild.core.paths import cache_dir  # noqa: E402
 from specbuild.core.machine import describe  # noqa: E402
 from specbuild.engines.embedded.fused import status as fused_status  # noqa: E402
@@ -49,6 +56,9 @@ from specbuild.engines.embedded.step import linear_kernel_of  # noqa: E402
 MODES = ("off", "default", "forced")
 CHAT_USERS = (1, 2, 4)
 BATCH_USERS = 32
+PAIR_USERS = 2
+PAIR_MAX_INPUT = 1024          # the batch profile's max_input_tokens (loadtests/profiles/batch.toml)
+PAIR_GOAL = 0.9                # served gain ÷ the engine's, at 2 users / 2 sequences (issue 30: "within 10 %")
 
 
 def chat_ids(tokenizer) -> list[list[int]]:
@@ -57,6 +67,18 @@ def chat_ids(tokenizer) -> list[list[int]]:
         t = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                           add_generation_prompt=True)
         out.append(tokenizer.encode(t, add_special_tokens=False)[-192:])
+    return out
+
+
+def summarize_ids(tokenizer) -> list[list[int]]:
+    """The batch profile's requests: summarization passages as a user turn of the chat template, each passage cut
+    to PAIR_MAX_INPUT tokens first (as `loadtest` cuts them)."""
+    out = []
+    for text in summarize_prompts():
+        ids = tokenizer.encode(text, add_special_tokens=False)[:PAIR_MAX_INPUT]
+        t = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(ids)}], tokenize=False,
+                                          add_generation_prompt=True)
+        out.append(tokenizer.encode(t, add_special_tokens=False))
     return out
 
 
@@ -136,12 +158,51 @@ def batch_cell(engine: Engine, prompts, *, users: int, tokens: int, k) -> dict:
             "ttft": statistics.median(r["ttft"] for r in results)}
 
 
+def _pair_prompt(prompts, user: int, j: int, per_user: int):
+    return prompts[(user * per_user + j) % len(prompts)]
+
+
+def pair_served_cell(engine: Engine, prompts, *, per_user: int, tokens: int, k) -> dict:
+    """PAIR_USERS closed-loop users, each sending its per_user requests one after the other (the next when the
+    last is complete, as `loadtest`'s batch users do): a request's prefill runs while the other user's decodes."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+    def user(i: int, record) -> None:
+        for j in range(per_user):
+            record(one_request(engine, _pair_prompt(prompts, i, j, per_user), params, k))
+
+    t0 = time.perf_counter()
+    results = _run_users(PAIR_USERS, user)
+    return _pair_summary(results, time.perf_counter() - t0)
+
+
+def pair_engine_cell(engine: Engine, prompts, *, per_user: int, tokens: int, k) -> dict:
+    """The same requests as `pair_served_cell`, request j of every user submitted at once: both prefilled, then
+    decoded together, the next pair when both are done (the engine bench's 2-sequence shape)."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    results: list[dict] = []
+    t0 = time.perf_counter()
+    for j in range(per_user):
+        results += _run_users(PAIR_USERS, lambda i, record: record(
+            one_request(engine, _pair_prompt(prompts, i, j, per_user), params, k)))
+    return _pair_summary(results, time.perf_counter() - t0)
+
+
+def _pair_summary(results: list[dict], wall: float) -> dict:
+    return {"tok_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
+            "decode_s": statistics.median(r["e2e"] - r["ttft"] for r in results),
+            "ttft_s": statistics.median(r["ttft"] for r in results),
+            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/served.json", help="JSON output (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=None, help="runs (default 3; --quick 2)")
     ap.add_argument("--tokens", type=int, default=None, help="chat output tokens (default 48; --quick 32)")
     ap.add_argument("--batch-tokens", type=int, default=None, help="batch output tokens (default 24; --quick 16)")
+    ap.add_argument("--pair-tokens", type=int, default=None,
+                    help="pair output tokens (default 64, as the demo's load test; --quick 32)")
     ap.add_argument("--quick", action="store_true", help="fewer runs and tokens")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--workdir", default=None, help="build workspace (default: $SPECBUILD_CACHE/bench-work)")
@@ -149,7 +210,9 @@ def main(argv=None) -> int:
     runs = args.runs or (2 if args.quick else 3)
     tokens = args.tokens or (32 if args.quick else 48)
     btokens = args.batch_tokens or (16 if args.quick else 24)
+    ptokens = args.pair_tokens or (32 if args.quick else 64)
     per_user = 3
+    pair_per_user = 2
     t_start = time.time()
     load_before = os.getloadavg()
     edir = engine_dir(Path(args.workdir) if args.workdir else cache_dir() / "bench-work")
@@ -160,12 +223,14 @@ def main(argv=None) -> int:
               "crossover": cal.get("crossover")}
     log(f"policy: {policy}")
     prompts = chat_ids(engine.tokenizer)
+    pair_prompts = summarize_ids(engine.tokenizer)
     engine.start()
     try:
         one_request(engine, prompts[0], SamplingParams(max_tokens=4, ignore_eos=True), 2)     # warm-up
         raw: dict = {f"chat{u}": {m: [] for m in MODES} for u in CHAT_USERS}
         raw["batch"] = {m: [] for m in MODES}
-        cells = len(CHAT_USERS) + 1
+        raw["pair"] = {m: {"served": [], "engine": []} for m in MODES}
+        cells = len(CHAT_USERS) + 2
         for r in range(runs):
             order = MODES if r % 2 == 0 else MODES[::-1]     # every other run in reverse: no mode always goes first
             for i, u in enumerate(CHAT_USERS):
@@ -178,8 +243,15 @@ def main(argv=None) -> int:
             for m in order:
                 raw["batch"][m].append(batch_cell(engine, prompts, users=BATCH_USERS, tokens=btokens,
                                                   k=mode_k(m, forced_k)))
-            log(f"run {r + 1}/{runs} cell {cells}/{cells} batch x{BATCH_USERS}: "
+            log(f"run {r + 1}/{runs} cell {cells - 1}/{cells} batch x{BATCH_USERS}: "
                 + ", ".join(f"{m} {raw['batch'][m][-1]['tok_s']:.1f} tok/s" for m in MODES))
+            for m in order:
+                for how, cell in (("served", pair_served_cell), ("engine", pair_engine_cell)):
+                    raw["pair"][m][how].append(cell(engine, pair_prompts, per_user=pair_per_user, tokens=ptokens,
+                                                    k=mode_k(m, forced_k)))
+            log(f"run {r + 1}/{runs} cell {cells}/{cells} pair x{PAIR_USERS}: " + ", ".join(
+                f"{m} served {raw['pair'][m]['served'][-1]['tok_s']:.1f} / engine "
+                f"{raw['pair'][m]['engine'][-1]['tok_s']:.1f} tok/s" for m in MODES))
         kernels = {"decode_step": engine.decode_step, "linear_kernel": linear_kernel_of(engine.target),
                    "fused_extension": fused_status()}
     finally:
@@ -187,6 +259,8 @@ def main(argv=None) -> int:
     result = summarize(raw, runs)
     result.update(model="demo:smollm2-135m-instruct", draft="int4 self-draft", policy=policy, runs=runs,
                   chat_tokens=tokens, batch_tokens=btokens, chat_requests_per_user=per_user,
+                  pair_tokens=ptokens, pair_requests_per_user=pair_per_user,
+                  pair_prompt_tokens=[len(pair_prompts[i % len(pair_prompts)]) for i in range(PAIR_USERS * pair_per_user)],
                   batch_users=BATCH_USERS, max_batch_size=engine.config.max_batch_size,
                   threads=torch.get_num_threads(), cpu_count=os.cpu_count(), load_avg_before=load_before,
                   load_avg_after=os.getloadavg(), seconds=time.time() - t_start, machine=describe(),
@@ -219,8 +293,9 @@ def summarize(raw: dict, runs: int) -> dict:
     batch = {m: {"tok_s": med(x["tok_s"] for x in b[m]), "drafted": sum(x["drafted"] for x in b[m]),
                  "ttft_s": med(x["ttft"] for x in b[m]),
                  "tok_s_vs_off": med(x["tok_s"] / o["tok_s"] for o, x in zip(b["off"], b[m]))} for m in MODES}
+    pair = summarize_pair(raw["pair"]) if "pair" in raw else None
     # issue 30's goals: chat e2e >= 1.8 / 1.5 / 1.3x off at 1 / 2 / 4 users, TTFT >= 0.97x at every load, batch
-    # (where the policy does not draft) >= 0.99x
+    # (where the policy does not draft) >= 0.99x, the served pair's gain within 10 % of the engine's
     goals = {
         "chat_ttft_vs_off": {u: chat[u]["default"]["ttft_vs_off"] for u in chat},
         "chat_e2e_vs_off": {u: chat[u]["default"]["e2e_vs_off"] for u in chat},
@@ -230,7 +305,31 @@ def summarize(raw: dict, runs: int) -> dict:
     met = {"chat_ttft": all(v >= 0.97 for v in goals["chat_ttft_vs_off"].values()),
            "chat_e2e": all(v >= goals["chat_e2e_goal"][u] for u, v in goals["chat_e2e_vs_off"].items()),
            "batch_tok_s": goals["batch_tok_s_vs_off"] >= 0.99}
-    return {"chat": chat, "batch": batch, "goals": goals, "goals_met": met}
+    if pair is not None:
+        goals["pair_served_vs_engine"] = {m: pair[m]["served_vs_engine"] for m in ("default", "forced")}
+        met["pair_served_keeps_engine_gain"] = all(v >= PAIR_GOAL for v in goals["pair_served_vs_engine"].values())
+    return {"chat": chat, "batch": batch, "pair": pair, "goals": goals, "goals_met": met}
+
+
+def summarize_pair(p: dict) -> dict:
+    """Per mode and path (served / engine): medians over runs of tok/s, its gain over off in the same run and path,
+    and the decode span's gain (off's median decode span ÷ the mode's); served_vs_engine = the served gain ÷ the
+    engine's, per run, then the median (off: 1 by definition)."""
+    med = statistics.median
+    out = {}
+    for m, paths in p.items():
+        row = {}
+        for how in ("served", "engine"):
+            cells, offs = paths[how], p["off"][how]
+            row[how] = {"tok_s": med(x["tok_s"] for x in cells),
+                        "gain": med(x["tok_s"] / o["tok_s"] for o, x in zip(offs, cells)),
+                        "decode_gain": med(o["decode_s"] / x["decode_s"] for o, x in zip(offs, cells)),
+                        "ttft_s": med(x["ttft_s"] for x in cells), "drafted": sum(x["drafted"] for x in cells)}
+        row["served_vs_engine"] = med(
+            (s["tok_s"] / so["tok_s"]) / (e["tok_s"] / eo["tok_s"])
+            for s, so, e, eo in zip(paths["served"], p["off"]["served"], paths["engine"], p["off"]["engine"]))
+        out[m] = row
+    return out
 
 
 def print_table(r: dict) -> None:
@@ -246,6 +345,11 @@ def print_table(r: dict) -> None:
                   f"{x['e2e_vs_off']:6.2f} {x['drafted']:8d}")
     for m, x in r["batch"].items():
         print(f"  {'batch x32':10s} {m:8s} {x['tok_s']:8.1f} tok/s {x['tok_s_vs_off']:5.2f}x off  drafted {x['drafted']}")
+    for m, x in (r.get("pair") or {}).items():
+        print(f"  {'pair x2':10s} {m:8s} served {x['served']['tok_s']:6.1f} tok/s {x['served']['gain']:5.2f}x off "
+              f"(decode {x['served']['decode_gain']:.2f}x); engine {x['engine']['tok_s']:6.1f} tok/s "
+              f"{x['engine']['gain']:5.2f}x (decode {x['engine']['decode_gain']:.2f}x); served ÷ engine "
+              f"{x['served_vs_engine']:.2f}")
     print(f"  goals met: {r['goals_met']}")
 
 
