@@ -260,7 +260,8 @@ def main(argv=None) -> int:
     result.update(model="demo:smollm2-135m-instruct", draft="int4 self-draft", policy=policy, runs=runs,
                   chat_tokens=tokens, batch_tokens=btokens, chat_requests_per_user=per_user,
                   pair_tokens=ptokens, pair_requests_per_user=pair_per_user,
-                  pair_prompt_tokens=[len(pair_prompts[i % len(pair_prompts)]) for i in range(PAIR_USERS * pair_per_user)],
+                  pair_prompt_tokens=[len(_pair_prompt(pair_prompts, i, j, pair_per_user))
+                                      for i in range(PAIR_USERS) for j in range(pair_per_user)],
                   batch_users=BATCH_USERS, max_batch_size=engine.config.max_batch_size,
                   threads=torch.get_num_threads(), cpu_count=os.cpu_count(), load_avg_before=load_before,
                   load_avg_after=os.getloadavg(), seconds=time.time() - t_start, machine=describe(),
