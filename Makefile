@@ -43,7 +43,8 @@ test-fast:
 demo:
 	bash scripts/demo.sh "$(WORKDIR)"
 
-# 2 runs per cell at full length: 9.6 min on the 2-core VM (208 + 230 + 139 s, 2026-12-01 with oneDNN linears).
+# 9.6 min on the 2-core VM on 2026-12-01 (208 + 230 + 139 s); 11 min 20 s on the AMD EPYC on 2026-12-07 night with
+# bench_served at 4 runs and its pair cell (bench/README.md).
 bench:
 	$(BIN)/python bench/bench_engine.py --runs 2 --out bench/results/engine.json
 	$(BIN)/python bench/bench_served.py --runs 4 --out bench/results/served.json

@@ -61,25 +61,21 @@ PAIR_MAX_INPUT = 1024          # the batch profile's max_input_tokens (loadtests
 PAIR_GOAL = 0.9                # served gain ÷ the engine's, at 2 users / 2 sequences (issue 30: "within 10 %")
 
 
+def user_turn_ids(tokenizer, text: str) -> list[int]:
+    """text as a user turn of the target's chat template, ready for the answer, as token ids."""
+    t = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(t, add_special_tokens=False)
+
+
 def chat_ids(tokenizer) -> list[list[int]]:
-    out = []
-    for text in chat_prompts():
-        t = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                          add_generation_prompt=True)
-        out.append(tokenizer.encode(t, add_special_tokens=False)[-192:])
-    return out
+    return [user_turn_ids(tokenizer, text)[-192:] for text in chat_prompts()]
 
 
 def summarize_ids(tokenizer) -> list[list[int]]:
     """The batch profile's requests: summarization passages as a user turn of the chat template, each passage cut
     to PAIR_MAX_INPUT tokens first (as `loadtest` cuts them)."""
-    out = []
-    for text in summarize_prompts():
-        ids = tokenizer.encode(text, add_special_tokens=False)[:PAIR_MAX_INPUT]
-        t = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(ids)}], tokenize=False,
-                                          add_generation_prompt=True)
-        out.append(tokenizer.encode(t, add_special_tokens=False))
-    return out
+    cut = [tokenizer.encode(text, add_special_tokens=False)[:PAIR_MAX_INPUT] for text in summarize_prompts()]
+    return [user_turn_ids(tokenizer, tokenizer.decode(ids)) for ids in cut]
 
 
 def mode_k(mode: str, forced_k: int):
