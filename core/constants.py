@@ -15,6 +15,7 @@ PROPOSERS = ("draft", "ngram")
 DRAFT_QUANTIZATIONS = ("int8", "int4")
 # a block-quantized (int4) draft's activations: int8 per block of 32 (integer kernels) or the exact fp32
 DRAFT_ACTIVATIONS = ("fp32", "int8")
+PREFILL_PRECISIONS = ("fp32", "bf16")    # the embedded target's prompt rows (EngineConfig.prefill_precision)
 
 # Tokenizer files copied beside a checkpoint or an engine: the chat template included, so that clients
 # (loadtest, verify) render chat prompts with the model's own template.

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from specbuild.core.errors import UsageError
 from specbuild.pipeline.stage import BACKENDS, PlanStep, run_stage
-from specbuild.core.constants import DRAFT_ACTIVATIONS, DRAFT_QUANTIZATIONS, DTYPES, PROPOSERS  # noqa: F401 (the CLI imports them here)
+from specbuild.core.constants import DRAFT_ACTIVATIONS, DRAFT_QUANTIZATIONS, DTYPES, PREFILL_PRECISIONS, PROPOSERS  # noqa: F401 (the CLI imports them here)
 
 MAX_DRAFT_LEN_LIMIT = 32
 
@@ -90,12 +90,13 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
           use_draft_logits: bool = False, tp: int = 1, pp: int = 1, container_tag: str | None = None,
           adaptive_k: bool | None = None, spec_max_concurrency: int | None = None, crossover: bool = True,
           trtllm_generation: str | None = None, rehearse: bool = False, draft_activations: str | None = None,
-          progress: Callable[[str], None] | None = None) -> BuildResult:
+          prefill_precision: str | None = None, progress: Callable[[str], None] | None = None) -> BuildResult:
     """Build `<workdir>/engines/` from `<workdir>/checkpoints/` with the chosen backend.
 
     `num_draft_tokens=None` makes the calibrated K the default K (embedded); `draft_quantize="int8"` stores the
     draft as int8 weight-only (with a draft == target checkpoint this is the demo "int8 self-draft").
     `draft_activations` ("fp32" | "int8", default int8 for an int4 draft): a block draft's activations.
+    `prefill_precision` ("fp32" | "bf16", default fp32): the target's prompt rows (embedded; EngineConfig).
     `adaptive_k` lets each sequence choose its K from its own acceptance (requests may also send
     num_draft_tokens=-1); `spec_max_concurrency` switches drafting off while more sequences run.
     Defaults (embedded, calibrated): adaptive K unless `num_draft_tokens` fixes one, and `spec_max_concurrency`
@@ -122,6 +123,14 @@ def build(*, workdir: str | os.PathLike = "specbuild-work", backend: str = "embe
             raise UsageError(f"unknown --draft-activations {draft_activations!r}; choose one of "
                              f"{', '.join(DRAFT_ACTIVATIONS)}.")
         options["draft_activations"] = draft_activations
+    if prefill_precision is not None:   # only when set: the default keeps its fingerprint
+        if prefill_precision not in PREFILL_PRECISIONS:
+            raise UsageError(f"unknown --prefill-precision {prefill_precision!r}; choose one of "
+                             f"{', '.join(PREFILL_PRECISIONS)}.")
+        if backend != "embedded" and prefill_precision != "fp32":
+            raise UsageError("--prefill-precision applies to --backend embedded only (TensorRT-LLM builds its "
+                             "engine in --dtype).")
+        options["prefill_precision"] = prefill_precision
     if spec_max_concurrency is not None:
         options["spec_max_concurrency"] = spec_max_concurrency
     if (trtllm_generation or rehearse) and backend != "trtllm":

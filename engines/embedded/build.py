@@ -83,7 +83,8 @@ def _engine_config(opts: dict[str, Any], *, has_draft: bool, policy: Policy, cal
         max_batch_size=opts["max_batch_size"], max_seq_len=opts["max_seq_len"], max_draft_len=opts["max_draft_len"],
         dtype=opts["dtype"], device=opts["device"], threads=opts["threads"],
         draft_kv=opts.get("draft_kv", "own") if has_draft else "own", calibration=calibration, policy=policy,
-        draft_activations=draft_activations(opts) if has_draft else "fp32")
+        draft_activations=draft_activations(opts) if has_draft else "fp32",
+        prefill_precision=opts.get("prefill_precision") or "fp32")
 
 
 def draft_activations(opts: dict[str, Any]) -> str:
@@ -246,7 +247,7 @@ def run(ctx: StageContext) -> StageResult:
     d = engine_cfg.to_dict()
     outputs["engine"] = {**{k: d[k] for k in ("max_batch_size", "max_seq_len", "max_draft_len", "dtype", "device",
                                              "threads", "draft_quantize", "linear_kernel", "draft_kv",
-                                             "draft_activations")},
+                                             "draft_activations", "prefill_precision")},
                          "policy": d["policy"], "policy_described": engine_cfg.policy.describe(),
                          "decode_step": engine.decode_step}
     return StageResult(outputs=outputs, checks=checks, extra={"calibration": calibration} if calibration else {})
@@ -281,6 +282,7 @@ def _calibrate(ctx: StageContext, engine, opts: dict[str, Any], *, has_draft: bo
 
         calibration["fused_kernels"] = kernels_id()
     calibration["draft_activations"] = engine.config.draft_activations
+    calibration["prefill_precision"] = engine.config.prefill_precision
     if opts["num_draft_tokens"] is None:
         default_k = cal.recommended_k
     if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:

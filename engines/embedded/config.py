@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from specbuild.engines.embedded.errors import EngineLimitError
-from specbuild.core.constants import DRAFT_ACTIVATIONS, DTYPES, ENGINE_CONFIG_FILE, PROPOSERS
+from specbuild.core.constants import DRAFT_ACTIVATIONS, DTYPES, ENGINE_CONFIG_FILE, PREFILL_PRECISIONS, PROPOSERS
 from specbuild.core.errors import SourceError
 from specbuild.core.manifest import atomic_write_text
 
@@ -148,6 +148,8 @@ class EngineConfig:
     draft_activations: str = "fp32"          # "int8": a block-quantized draft rounds x to 8 bits (cheaper, approximate)
     linear_kernel: str = "auto"              # "auto" | "tiled" | "onednn" | "aten" (kernels.py)
     decode_step: str = "auto"                # "auto" | "fused" | "eager" (fused.py)
+    prefill_precision: str = "fp32"          # "bf16": the target's prompt rows on AVX-512 BF16 (step.py; not the
+                                             # fp32 model's exact prompt cache, the same in every mode)
     online_costs: bool = True                # adaptive K prices K with step costs measured while serving
     acceptance_rule: str = EXACT             # "exact" | "unsafe-always-accept" (deliberate fault, tests only)
     max_queue_size: int | None = None        # waiting requests before refusing; None = 4 x max_batch_size;
@@ -165,7 +167,8 @@ class EngineConfig:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use one of {DTYPES}.")
         for name, allowed in (("acceptance_rule", ACCEPTANCE_RULES), ("linear_kernel", LINEAR_KERNELS),
                               ("draft_kv", DRAFT_KV), ("decode_step", DECODE_STEPS),
-                              ("draft_activations", DRAFT_ACTIVATIONS)):
+                              ("draft_activations", DRAFT_ACTIVATIONS),
+                              ("prefill_precision", PREFILL_PRECISIONS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is unknown; use one of {allowed}"
                                   + (" (\"exact\" is the only lossless one)." if name == "acceptance_rule" else "."))

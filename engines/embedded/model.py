@@ -250,7 +250,8 @@ class Transformer(nn.Module):
 
 @torch.inference_mode()
 def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int], rows: list[list[int]],
-                   logits: str = "last", device="cpu", between: Callable[[], None] | None = None):
+                   logits: str = "last", device="cpu", between: Callable[[], None] | None = None,
+                   prefill: bool = False):
     """Run rows of new tokens (row i at positions starts[i]..) in one forward: the fused step when the cache
     has a runner for this model (fused.py: ragged, no padding), else one padded eager forward.
 
@@ -263,12 +264,15 @@ def ragged_forward(model: Transformer, cache, slots: list[int], starts: list[int
     prefills a request that arrived during a verify or a draft step there, so its first token does not wait for
     the whole forward. It may run other forwards over other slots of the same cache; the rows here compute the
     same bits either way.
+    prefill: the rows are prompts' (`CachedRunner.feed`): on the fused step, a model prepared with
+    `step.prepare_bf16_prefill_` computes them on its bf16 copies (EngineConfig.prefill_precision); every other
+    forward, and the eager one, in the model's own precision.
     """
     from specbuild.engines.embedded.step import runner_for
 
     runner = runner_for(model, cache, getattr(cache, "decode_step", "auto"))
     if runner is not None:
-        return _fused_forward(model, runner, slots, starts, rows, logits, device, between)
+        return _fused_forward(model, runner, slots, starts, rows, logits, device, between, prefill)
     B, T = len(rows), max(len(r) for r in rows)
     lens = [len(r) for r in rows]
     if B == 1:
@@ -306,18 +310,19 @@ def _in_pieces(model: Transformer) -> bool:
     return size >= PIECES_MIN_BYTES
 
 
-def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str, device, between=None):
+def _fused_forward(model: Transformer, runner, slots, starts, rows, logits: str, device, between=None,
+                   prefill: bool = False):
     flat = [t for r in rows for t in r]
     slot = torch.tensor([s for s, r in zip(slots, rows) for _ in r], dtype=torch.long)
     pos = torch.tensor([p0 + i for p0, r in zip(starts, rows) for i in range(len(r))], dtype=torch.long)
     h = model.embed(torch.tensor(flat, dtype=torch.long, device=device))
     if between is None or not _in_pieces(model):
-        h = runner.forward(h, slot, pos)
+        h = runner.forward(h, slot, pos, prefill=prefill)
     else:
         n = runner.num_layers()
         cuts = sorted({round(n * j / PIECES) for j in range(PIECES + 1)})
         for a, b in zip(cuts, cuts[1:]):
-            h = runner.forward(h, slot, pos, a, b)
+            h = runner.forward(h, slot, pos, a, b, prefill=prefill)
             between()
     if logits == "none":
         return None
@@ -346,7 +351,8 @@ class CachedRunner:
             raise ValueError("feed needs at least one new token per sequence")
         logits = ragged_forward(self.model, self.cache, [s.slot for s in seqs],
                                 [getattr(s, self.length_attr) for s in seqs], rows,
-                                ("hidden" if hidden else "last") if want_logits else "none", self.device)
+                                ("hidden" if hidden else "last") if want_logits else "none", self.device,
+                                prefill=True)
         for s, e in zip(seqs, ends):
             setattr(s, self.length_attr, e)
         return logits

@@ -266,13 +266,64 @@ def decode_step_of(model, cache) -> str:
 
 
 def _unsupported(model, cache) -> str | None:
+    if cache.k[0].dtype != torch.float32:
+        return f"the fused step runs fp32 on CPU (this cache: {cache.k[0].dtype})"
+    return _unsupported_model(model)
+
+
+def _unsupported_model(model) -> str | None:
     c = model.cfg
     w = model.embed.weight
-    if w.device.type != "cpu" or w.dtype != torch.float32 or cache.k[0].dtype != torch.float32:
+    if w.device.type != "cpu" or w.dtype != torch.float32:
         return f"the fused step runs fp32 on CPU (this model: {w.dtype} on {w.device.type})"
     if c.head_dim % 16 or c.hidden_size % 8 or c.intermediate_size % 8:
         return "head_dim must be a multiple of 16 and hidden / intermediate sizes multiples of 8"
     return None
+
+
+def bf16_prefill_unavailable() -> str | None:
+    """Why EngineConfig.prefill_precision "bf16" cannot run here (None: it can): it needs the fused extension,
+    built with AVX-512 BF16 (vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake / Sapphire Rapids and later)."""
+    ext = extension()
+    if ext is None:
+        return f"the fused extension is not built here ({fused._WHY or 'not loaded in this process'})"
+    if not ext.has_bf16_prefill():
+        return (f"this build of the fused extension has no AVX-512 BF16 kernels (the CPU lacks avx512_bf16, or "
+                f"SPECBUILD_FUSED_ISA={fused.isa()})")
+    return None
+
+
+def prepare_bf16_prefill_(model) -> None:
+    """Give each layer's linears of `model` a bf16 copy of their weight (`ext.pack_panels_bf16`: rounded to nearest
+    even, ~2 bytes a weight beside the fp32 ones) for prompts' rows: the fused step then computes a prefill's
+    linears as bf16 products with fp32 sums (csrc/fused.cpp `bf16_gemm`, twice the fp32 FMA's work per instruction)
+    and every other row (a decode step, a verify, a draft) in fp32 as before. Every output is one chain over its
+    inputs in order, so a prompt's cache is the same whatever chunk or batch its rows come in, with speculation on
+    or off: the output is lossless against this engine without speculation, not against the fp32 model's own
+    prompt cache. Call before the first forward (the runner is made then); raises where it cannot run."""
+    why = bf16_prefill_unavailable()
+    if why is not None:
+        from specbuild.engines.embedded.config import ConfigError
+
+        raise ConfigError(f"prefill_precision 'bf16' cannot run here: {why}; use prefill_precision 'fp32'.")
+    if _unsupported_model(model):
+        from specbuild.engines.embedded.config import ConfigError
+
+        raise ConfigError(f"prefill_precision 'bf16' needs the fused step: {_unsupported_model(model)}.")
+    ext = extension()
+    panels = []
+    for layer in model.layers:
+        ps = []
+        for m in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            w = getattr(m, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.shape[1] % 2:
+                from specbuild.engines.embedded.config import ConfigError
+
+                raise ConfigError(f"prefill_precision 'bf16' needs fp32 linears with an even input size "
+                                  f"(got {type(m).__name__}); use prefill_precision 'fp32'.")
+            ps.append(ext.pack_panels_bf16(w.detach().float().contiguous()))
+        panels.append(ps)
+    model._bf16_prefill = panels
 
 
 def _make_runner(ext, model, cache):
@@ -280,10 +331,15 @@ def _make_runner(ext, model, cache):
     r = ext.Runner(model.cfg.hidden_size, model.cfg.num_heads, model.cfg.num_kv_heads, model.cfg.head_dim,
                    model.cfg.intermediate_size, float(model.cfg.rms_norm_eps), cos.contiguous(), sin.contiguous(),
                    list(cache.k), list(cache.v))
+    r_layers = []
     for layer in model.layers:
         lins = [_linear(ext, m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(x is None for x in lins):
             return None
+        bf16 = getattr(model, "_bf16_prefill", None)
+        if bf16 is not None:
+            lins = [ext.with_bf16_prefill(lin, p) for lin, p in zip(lins, bf16[len(r_layers)])]
+        r_layers.append(layer)
         r.add_layer(layer.input_norm.weight.detach().float().contiguous(),
                     layer.post_norm.weight.detach().float().contiguous(), *lins)
     return r
