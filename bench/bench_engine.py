@@ -342,6 +342,52 @@ def step_costs(engine: Engine, k: int, runs: int) -> dict:
     return time_interleaved(probes, reps=max(5, runs))
 
 
+def bf16_prefill_cell(engine: Engine, edir: Path, ids: dict, *, tokens: int, runs: int, k: int) -> dict:
+    """The opt-in bf16 prefill (`build --prefill-precision bf16`) beside the default fp32 one, on the same build:
+    per prompt and run, spec off and K back to back on each engine, alternating. -> each prompt's prefill (the head
+    of a spec-off request) with each, the batch-1 end-to-end speedup of K with each, whether speculation stayed
+    lossless with the bf16 prefill (it must), and on how many prompts its output equals the fp32 prefill's."""
+    from specbuild.engines.embedded.step import bf16_prefill_unavailable
+
+    why = bf16_prefill_unavailable()
+    if why is not None:
+        return {"available": False, "why": why}
+    log("the bf16 prefill beside the fp32 one (the same build, prefill_precision bf16)")
+    other = Engine.from_build_dir(edir, prefill_precision="bf16")
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    cell = {p: {kind: {"head_s": [], "e2e": []} for kind in ids} for p in ("fp32", "bf16")}
+    outs: dict = {}
+    for _ in range(runs):
+        for kind, prompt in ids.items():
+            for p, eng in (("fp32", engine), ("bf16", other)):
+                walls = {}
+                for mode, kk in (("off", 0), ("k", k)):
+                    t0 = time.perf_counter()
+                    res = eng.generate(prompt, params, num_draft_tokens=kk, proposer="draft")
+                    walls[mode] = time.perf_counter() - t0
+                    outs.setdefault((p, kind), set()).add(tuple(res.token_ids))
+                    if mode == "off":
+                        st = res.stats
+                        cell[p][kind]["head_s"].append(walls[mode] - (st.last_token_time - st.first_token_time))
+                cell[p][kind]["e2e"].append(walls["off"] / walls["k"])
+    kinds = list(ids)
+    per_kind = {kind: {"prompt_tokens": len(ids[kind]),
+                       "prefill_ms_fp32": median(cell["fp32"][kind]["head_s"]) * 1e3,
+                       "prefill_ms_bf16": median(cell["bf16"][kind]["head_s"]) * 1e3,
+                       "prefill_speedup": median([a / b for a, b in zip(cell["fp32"][kind]["head_s"],
+                                                                        cell["bf16"][kind]["head_s"])]),
+                       "e2e_speedup_fp32": median(cell["fp32"][kind]["e2e"]),
+                       "e2e_speedup_bf16": median(cell["bf16"][kind]["e2e"])} for kind in kinds}
+    del other
+    return {"available": True, "k": k, "runs": runs, "tokens": tokens, "per_prompt": per_kind,
+            "prefill_speedup": median([c["prefill_speedup"] for c in per_kind.values()]),
+            "e2e_speedup_fp32": median([x for kind in kinds for x in cell["fp32"][kind]["e2e"]]),
+            "e2e_speedup_bf16": median([x for kind in kinds for x in cell["bf16"][kind]["e2e"]]),
+            "lossless_bf16": all(len(outs[("bf16", kind)]) == 1 for kind in kinds),
+            "same_output_as_fp32": sum(outs[("bf16", kind)] == outs[("fp32", kind)] for kind in kinds),
+            "prompts": len(kinds)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/engine.json", help="JSON output (default: %(default)s)")
@@ -379,6 +425,7 @@ def main(argv=None) -> int:
                                            read_probe=read_probe)
     log("step costs by concurrency (speculation efficiency)")
     m["eff"] = efficiency_by_concurrency(engine, m["thr_detail"], k=k, context=PROMPT_TOKENS + tokens // 2, runs=runs)
+    m["bf16"] = bf16_prefill_cell(engine, edir, ids, tokens=tokens, runs=runs, k=k)
     result = summarize(engine, m, runs=runs, tokens=tokens, k=k, k_ngram=args.k_ngram, cal=cal)
     result.update(load_avg_before=load_before, load_avg_after=os.getloadavg(), seconds=time.time() - t_start)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -457,7 +504,7 @@ def summarize(engine: Engine, m: dict, *, runs: int, tokens: int, k: int, k_ngra
                   "spec_efficiency_ge_0.9": draft_speedup / predicted >= 0.9,        # against the decode-only model
                   "spec_efficiency_e2e_ge_0.9": draft_speedup / e2e["predicted_e2e"] >= 0.9,   # the prefill counted
                   "draft_cost_ratio_le_0.4": costs["draft"] / costs["target"] <= 0.4},
-        "build_calibration": cal, "per_prompt": lat,
+        "build_calibration": cal, "per_prompt": lat, "prefill_bf16": m.get("bf16"),
     }
 
 
@@ -499,6 +546,17 @@ def print_table(r: dict) -> None:
                                              f"tokens: 8 prompts' prefill is 8x the compute)"),
             ("demo draft speedup batch 1 / 8", f"{r['demo_draft_speedup_batch1']:.2f}x / "
                                                f"{r['demo_draft_speedup_batch8']:.2f}x")]
+    bf = r.get("prefill_bf16") or {}
+    if bf.get("available"):
+        rows.append(("opt-in bf16 prefill (--prefill-precision)", (
+            f"prefill {bf['prefill_speedup']:.2f}x faster ("
+            + ", ".join(f"{kind} {c['prefill_ms_fp32']:.0f} -> {c['prefill_ms_bf16']:.0f} ms"
+                        for kind, c in bf["per_prompt"].items())
+            + f"); batch-1 K {bf['k']} end to end {bf['e2e_speedup_fp32']:.2f}x -> {bf['e2e_speedup_bf16']:.2f}x; "
+            f"lossless {'yes' if bf['lossless_bf16'] else 'NO'}; output = fp32 prefill's on {bf['same_output_as_fp32']}"
+            f" of {bf['prompts']} prompts")))
+    elif bf:
+        rows.append(("opt-in bf16 prefill (--prefill-precision)", f"not measured: {bf['why']}"))
     w = max(len(a) for a, _ in rows)
     print(f"SmolLM2-135M-Instruct, {r['runs']} runs x 3 prompts, {r['tokens']} tokens, {r['threads']} threads, "
           f"load {r['load_avg_before'][0]:.1f} -> {r['load_avg_after'][0]:.1f}")
