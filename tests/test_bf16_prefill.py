@@ -149,6 +149,16 @@ def test_bf16_prefill_where_it_cannot_run_is_refused_with_the_fix(tiny_llama, mo
         Engine.from_checkpoints(tiny_llama, tiny_llama, max_batch_size=2, max_seq_len=64, prefill_precision="bf16")
 
 
+def test_the_engine_config_keeps_the_precision_and_an_older_one_means_fp32(tmp_path):
+    from specbuild.engines.embedded.config import Policy
+
+    EngineConfig(prefill_precision="bf16", policy=Policy(k=0)).save(tmp_path)
+    assert EngineConfig.load(tmp_path).prefill_precision == "bf16"
+    d = EngineConfig(policy=Policy(k=0)).to_dict()
+    del d["prefill_precision"]                  # an engine built before the option
+    assert EngineConfig.from_dict(d).prefill_precision == "fp32"
+
+
 def test_an_unknown_prefill_precision_is_refused():
     with pytest.raises(ConfigError, match="prefill_precision 'fp16' is unknown; use one of \\('fp32', 'bf16'\\)"):
         EngineConfig(prefill_precision="fp16")

@@ -871,7 +871,7 @@ torch::Tensor tiled_linear_t(const torch::Tensor& x, const torch::Tensor& P, con
 #if defined(SPECBUILD_AVX512) && defined(__AVX512BF16__)
 constexpr bool HAS_BF16_PREFILL = true;
 constexpr int BF16_ROWS = 6;          // a tile: up to 6 rows x 4 panels (24 accumulators, 4 weight vectors)
-constexpr int BF16_PANELS = 4;
+constexpr int64_t BF16_PANELS = 4;
 constexpr int64_t BF16_BLOCK_ROWS = 48;   // rows a thread takes through its panels at once
 
 template <int MR, int NP>
@@ -915,13 +915,19 @@ void bf16_gemm(const uint32_t* xb, int64_t M, int64_t K2, const uint32_t* P, con
     for (int64_t r0 = 0; r0 < M; r0 += BF16_BLOCK_ROWS) {     // a block of rows (in L1 / L2) against the
       const int64_t r1 = std::min(M, r0 + BF16_BLOCK_ROWS);    // thread's panels, 4 at a time
       for (int64_t p = a; p < b;) {
-        const bool full = b - p >= BF16_PANELS;
+        const int64_t np = std::min<int64_t>(BF16_PANELS, b - p);      // the thread's last 1-3 panels as one tile
         for (int64_t r = r0; r < r1; r += BF16_ROWS) {
           const int64_t mr = std::min<int64_t>(BF16_ROWS, r1 - r);
-          if (full) bf16_rows<BF16_PANELS>(mr, xb + r * K2, K2, P, p, y + r * N, N);
-          else bf16_rows<1>(mr, xb + r * K2, K2, P, p, y + r * N, N);
+          const uint32_t* xr = xb + r * K2;
+          float* yr = y + r * N;
+          switch (np) {
+            case 4: bf16_rows<4>(mr, xr, K2, P, p, yr, N); break;
+            case 3: bf16_rows<3>(mr, xr, K2, P, p, yr, N); break;
+            case 2: bf16_rows<2>(mr, xr, K2, P, p, yr, N); break;
+            default: bf16_rows<1>(mr, xr, K2, P, p, yr, N); break;
+          }
         }
-        p += full ? BF16_PANELS : 1;
+        p += np;
       }
     }
     if (bias)
