@@ -331,15 +331,13 @@ def _make_runner(ext, model, cache):
     r = ext.Runner(model.cfg.hidden_size, model.cfg.num_heads, model.cfg.num_kv_heads, model.cfg.head_dim,
                    model.cfg.intermediate_size, float(model.cfg.rms_norm_eps), cos.contiguous(), sin.contiguous(),
                    list(cache.k), list(cache.v))
-    r_layers = []
-    for layer in model.layers:
+    bf16 = getattr(model, "_bf16_prefill", None)           # prepare_bf16_prefill_'s copies, per layer
+    for i, layer in enumerate(model.layers):
         lins = [_linear(ext, m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(x is None for x in lins):
             return None
-        bf16 = getattr(model, "_bf16_prefill", None)
         if bf16 is not None:
-            lins = [ext.with_bf16_prefill(lin, p) for lin, p in zip(lins, bf16[len(r_layers)])]
-        r_layers.append(layer)
+            lins = [ext.with_bf16_prefill(lin, p) for lin, p in zip(lins, bf16[i])]
         r.add_layer(layer.input_norm.weight.detach().float().contiguous(),
                     layer.post_norm.weight.detach().float().contiguous(), *lins)
     return r

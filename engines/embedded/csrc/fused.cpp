@@ -866,8 +866,8 @@ torch::Tensor tiled_linear_t(const torch::Tensor& x, const torch::Tensor& P, con
 // [ceil(N / 16), K / 2, 16, 2], so one 64-byte line holds 16 outputs' weights at k and k + 1. Every output is one
 // chain over the k pairs in order, whatever the tile, the rows beside it or the thread: a prompt's rows get the same
 // bits in any chunk (the engine's invariant; a prefill's rows and a decode step's are never mixed in one call, and
-// only prefill rows come here). Twice the fp32 FMA's work per instruction: a 256-row prompt's linears 2-3x faster
-// on an AMD EPYC Zen 4 (bench/README.md).
+// only prefill rows come here). Twice the fp32 FMA's work per instruction: a layer's linears at 256 rows 1.5-1.8x
+// faster on an AMD EPYC Zen 4 (bench/README.md).
 #if defined(SPECBUILD_AVX512) && defined(__AVX512BF16__)
 constexpr bool HAS_BF16_PREFILL = true;
 constexpr int BF16_ROWS = 6;          // a tile: up to 6 rows x 4 panels (24 accumulators, 4 weight vectors)
