@@ -1182,12 +1182,12 @@ class Runner {
       const Layer& L = layers[li];
       float* xp = x.data_ptr<float>();
       float* hp = h.data_ptr<float>();
-      rows(N, [&](int64_t a, int64_t b) { rms_norm_rows(xp + a * H, L.in_norm.data_ptr<float>(), hp + a * H, b - a, H, eps); });
+      norm_rows(xp, L.in_norm, hp, N);
       auto qkv = L.qkv(h, prefill).contiguous();                 // [N, (nh + 2 nkv) * hd]
       rows(N, [&](int64_t a, int64_t b) { rope_and_write(qkv, sl, ps, a, b, kc[li], vc[li]); });
       attention(qkv, sl, ps, N, kc[li], vc[li], att);
       add_into(xp, L.o(att, prefill).contiguous(), N, H);
-      rows(N, [&](int64_t a, int64_t b) { rms_norm_rows(xp + a * H, L.post_norm.data_ptr<float>(), hp + a * H, b - a, H, eps); });
+      norm_rows(xp, L.post_norm, hp, N);
       auto gu = L.gate_up(h, prefill).contiguous();              // [N, 2 inter]: gate | up
       auto a = torch::empty({N, inter}, x.options());
       rows(N, [&](int64_t r0, int64_t r1) { silu_mul(gu.data_ptr<float>(), a.data_ptr<float>(), r0, r1); });
@@ -1212,6 +1212,11 @@ class Runner {
   static constexpr int64_t ROWS_GRAIN = 32;
   template <class F>
   static void rows(int64_t N, const F& f) { parallel_for(0, N, ROWS_GRAIN, f); }
+
+  void norm_rows(const float* x, const torch::Tensor& w, float* out, int64_t N) const {
+    const float* wp = w.data_ptr<float>();
+    rows(N, [&](int64_t a, int64_t b) { rms_norm_rows(x + a * H, wp, out + a * H, b - a, H, eps); });
+  }
 
   static void add_into(float* x, const torch::Tensor& y, int64_t N, int64_t H) {
     const float* yp = y.data_ptr<float>();
@@ -1640,13 +1645,25 @@ std::vector<int64_t> bounded_argmax(torch::Tensor x, torch::Tensor qs8, torch::T
   return out;
 }
 
-torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor P, torch::Tensor bias, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "tiled_linear: x must be [M, K] float32");
-  check_panels(P, N, x.size(1));
+// y = x W^T (+ bias) from Python on a panelled weight: `check` its layout, then `run` without the GIL
+template <class Check, class Run>
+torch::Tensor panel_linear(const char* name, torch::Tensor x, const torch::Tensor& P, const torch::Tensor& bias,
+                           int64_t N, const Check& check, const Run& run) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, name, ": x must be [M, K] float32");
+  check(P, N, x.size(1));
   x = x.contiguous();
   const torch::Tensor b = bias.defined() && bias.numel() ? bias.contiguous() : torch::Tensor();
   py::gil_scoped_release nogil;
-  return tiled_linear_t(x, P, b, N);
+  return run(x, P, b, N);
+}
+
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor P, torch::Tensor bias, int64_t N) {
+  return panel_linear("tiled_linear", x, P, bias, N, check_panels, tiled_linear_t);
+}
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor P, torch::Tensor bias, int64_t N) {
+  TORCH_CHECK(HAS_BF16_PREFILL, "the bf16 prefill needs AVX-512 BF16 (vdpbf16ps), which this build lacks");
+  return panel_linear("bf16_linear", x, P, bias, N, check_panels_bf16, bf16_linear_t);
 }
 
 }  // namespace
@@ -1666,16 +1683,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("counts") = torch::Tensor());
   mod.def("argmax_rows", &argmax_rows, "x [M, N] float32 -> each row's argmax as torch.argmax(-1) gives it");
   mod.def("pack_panels", &pack_panels, "W [N, K] fp32 -> the tiled kernel's panels [ceil(N / 16), K, 16]");
-  mod.def("pack_panels_bf16", &pack_panels_bf16, "W [N, K] fp32 -> the bf16 prefill's panels [ceil(N / 16), K / 2, 16, 2]");
-  mod.def("bf16_linear", [](torch::Tensor x, torch::Tensor P, torch::Tensor bias, int64_t N) {
-    TORCH_CHECK(HAS_BF16_PREFILL, "the bf16 prefill needs AVX-512 BF16 (vdpbf16ps), which this build lacks");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "bf16_linear: x must be [M, K] float32");
-    check_panels_bf16(P, N, x.size(1));
-    x = x.contiguous();
-    const torch::Tensor b = bias.defined() && bias.numel() ? bias.contiguous() : torch::Tensor();
-    py::gil_scoped_release nogil;
-    return bf16_linear_t(x, P, b, N);
-  }, "y = x @ W^T (+ bias) with x and W rounded to bf16, fp32 sums (the bf16 prefill), W as pack_panels_bf16(W)");
+  mod.def("pack_panels_bf16", &pack_panels_bf16,
+          "W [N, K] fp32 -> the bf16 prefill's panels [ceil(N / 16), K / 2, 16, 2]");
+  mod.def("bf16_linear", &bf16_linear, "y = x @ W^T (+ bias) with x and W rounded to bf16, fp32 sums (the bf16 "
+          "prefill), W as pack_panels_bf16(W)");
   mod.def("has_bf16_prefill", []() { return HAS_BF16_PREFILL; }, "was this build compiled with AVX-512 BF16?");
   mod.def("with_bf16_prefill", &with_bf16_prefill, "a Linear with a bf16 copy for prompts' rows");
   py::class_<Runner>(mod, "Runner")
