@@ -36,7 +36,7 @@ def _stderr(msg: str) -> None:
                    "draft's weights). Output is the target's either way. Default: int8 for an int4 draft.")
 @click.option("--prefill-precision", type=click.Choice(PREFILL_PRECISIONS), default=None,
               help="The target's prompt rows (embedded): fp32, or bf16 (products of bf16-rounded inputs and "
-                   "weights, fp32 sums, on AVX-512 BF16: a prompt prefills ~1.4-1.5x faster on an AMD EPYC Zen 4). "
+                   "weights, fp32 sums, on AVX-512 BF16: a prompt prefills 1.5-1.7x faster on an AMD EPYC Zen 4). "
                    "Speculation stays lossless against the same engine without it; the output is no longer the "
                    "fp32 model's exactly. Refused on a CPU without AVX-512 BF16. Default: fp32.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
