@@ -12,8 +12,10 @@ subprocess under a hard deadline.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
 import signal
 import threading
 import socket
@@ -193,6 +195,10 @@ class TritonFixture:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
+        # The Python-backend stubs are in the server's own session (process group = its PID): a test that killed the
+        # server left one behind, orphaned, for an hour (2026-12-07, under slowbox). Whatever of the group is left goes.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
