@@ -282,7 +282,6 @@ def _calibrate(ctx: StageContext, engine, opts: dict[str, Any], *, has_draft: bo
 
         calibration["fused_kernels"] = kernels_id()
     calibration["draft_activations"] = engine.config.draft_activations
-    calibration["prefill_precision"] = engine.config.prefill_precision
     if opts["num_draft_tokens"] is None:
         default_k = cal.recommended_k
     if opts.get("crossover", True) and opts.get("spec_max_concurrency") is None:

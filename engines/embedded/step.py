@@ -306,10 +306,11 @@ def prepare_bf16_prefill_(model) -> None:
         from specbuild.engines.embedded.config import ConfigError
 
         raise ConfigError(f"prefill_precision 'bf16' cannot run here: {why}; use prefill_precision 'fp32'.")
-    if _unsupported_model(model):
+    why = _unsupported_model(model)
+    if why is not None:
         from specbuild.engines.embedded.config import ConfigError
 
-        raise ConfigError(f"prefill_precision 'bf16' needs the fused step: {_unsupported_model(model)}.")
+        raise ConfigError(f"prefill_precision 'bf16' needs the fused step: {why}.")
     ext = extension()
     panels = []
     for layer in model.layers:

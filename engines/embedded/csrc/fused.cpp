@@ -868,6 +868,8 @@ torch::Tensor tiled_linear_t(const torch::Tensor& x, const torch::Tensor& P, con
 // bits in any chunk (the engine's invariant; a prefill's rows and a decode step's are never mixed in one call, and
 // only prefill rows come here). Twice the fp32 FMA's work per instruction: a layer's linears at 256 rows 1.5-1.8x
 // faster on an AMD EPYC Zen 4 (bench/README.md).
+constexpr const char* NO_BF16_PREFILL =
+    "the bf16 prefill needs AVX-512 BF16 (vdpbf16ps), which this build of the extension lacks";
 #if defined(SPECBUILD_AVX512) && defined(__AVX512BF16__)
 constexpr bool HAS_BF16_PREFILL = true;
 constexpr int BF16_ROWS = 6;          // a tile: up to 6 rows x 4 panels (24 accumulators, 4 weight vectors)
@@ -938,7 +940,7 @@ void bf16_gemm(const uint32_t* xb, int64_t M, int64_t K2, const uint32_t* P, con
 #else
 constexpr bool HAS_BF16_PREFILL = false;
 void bf16_gemm(const uint32_t*, int64_t, int64_t, const uint32_t*, const float*, float*, int64_t) {
-  TORCH_CHECK(false, "the bf16 prefill needs AVX-512 BF16 (vdpbf16ps), which this build of the extension lacks");
+  TORCH_CHECK(false, NO_BF16_PREFILL);
 }
 #endif
 
@@ -1086,8 +1088,7 @@ Linear make_linear(int64_t kind, torch::Tensor w, torch::Tensor qs, torch::Tenso
 
 // the same Linear with a bf16 copy of its weight for a prompt's rows (EngineConfig.prefill_precision "bf16")
 Linear with_bf16_prefill(Linear l, torch::Tensor panels) {
-  TORCH_CHECK(HAS_BF16_PREFILL, "the bf16 prefill needs AVX-512 BF16 (vdpbf16ps), which this build of the "
-              "extension lacks");
+  TORCH_CHECK(HAS_BF16_PREFILL, NO_BF16_PREFILL);
   check_panels_bf16(panels, l.N, l.K);
   l.prefill_bf16 = panels;
   return l;
@@ -1662,7 +1663,7 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor P, torch::Tensor bias,
 }
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor P, torch::Tensor bias, int64_t N) {
-  TORCH_CHECK(HAS_BF16_PREFILL, "the bf16 prefill needs AVX-512 BF16 (vdpbf16ps), which this build lacks");
+  TORCH_CHECK(HAS_BF16_PREFILL, NO_BF16_PREFILL);
   return panel_linear("bf16_linear", x, P, bias, N, check_panels_bf16, bf16_linear_t);
 }
 
