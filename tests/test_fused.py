@@ -157,6 +157,22 @@ def test_q4_1_int8_kernel_is_exact_at_its_integer_limits(sign, isa):
     _assert_q8_scheme_exactly(w, torch.full((3, 576), 0.7 * sign), "q4_1", _isa_ext(isa))
 
 
+@needs_ext
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("signs", [(1.0, 1.0), (1.0, -1.0), (-1.0, 1.0), (-1.0, -1.0)])
+def test_q8_0_int8_kernel_is_exact_at_its_integer_limits(signs, isa):
+    """With VNNI the Q8_0 x int8 kernel multiplies x + 128 (unsigned) by the signed codes and takes 128 times the
+    codes' sum off a block; without, it moves the codes' signs onto x. Codes of +-127 everywhere against int8
+    activations of +-127 everywhere (the largest products, and x + 128 at 255 or 1) in every sign pairing, and
+    rows of alternating signs: the scheme's exact sums on either path."""
+    ws, xs = signs
+    w = torch.full((24, 576), 0.05 * ws)
+    w[12:, 1::2] *= -1                                      # half the rows alternate their codes' signs
+    x = torch.full((3, 576), 0.7 * xs)
+    x[2, ::2] *= -1
+    _assert_q8_scheme_exactly(w, x, "q8_0", _isa_ext(isa))
+
+
 def _assert_q8_scheme_exactly(w: torch.Tensor, x: torch.Tensor, scheme: str, ext) -> None:
     k = w.shape[1]
     lin = torch.nn.Linear(k, 24, bias=False)
