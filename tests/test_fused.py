@@ -173,6 +173,30 @@ def test_q8_0_int8_kernel_is_exact_at_its_integer_limits(signs, isa):
     _assert_q8_scheme_exactly(w, x, "q8_0", _isa_ext(isa))
 
 
+@needs_ext
+@pytest.mark.parametrize("scheme", ["q4_1", "q8_0"])
+def test_block_int8_kernels_give_the_same_bits_on_avx512_as_on_avx2(scheme):
+    """The AVX-512 build's int8 dots (with VNNI: Q8_0 as (x + 128) . w less 128 sum(w), Q4_1 in 32-bit lanes) against
+    the AVX2 build's (the codes' signs moved onto x; Q4_1 in 16-bit lanes): the same integers per block, so the same
+    outputs bit for bit, at 1-9 rows (the row tiles 4 + 4 + 1) and 40 outputs (two groups and a padded one)."""
+    if not fused.cpu_has_avx512():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    native, avx2 = fused.extension(), fused.extension_for("avx2")
+    gen = torch.Generator().manual_seed(7)
+    lin = torch.nn.Linear(576, 40, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 576, generator=gen) * 0.05)
+    q, _ = BlockLinear.from_linear(lin, scheme)
+    q.activations = "int8"
+    qs, d, m = q.kernel_blocks()
+    m = m if m is not None else torch.empty(0)
+    for rows in (1, 2, 3, 5, 9):
+        x = torch.randn(rows, 576, generator=gen)
+        a = native.block_linear(q.kernel_kind, x, qs, d, m, torch.empty(0), 40)
+        b = avx2.block_linear(q.kernel_kind, x, qs, d, m, torch.empty(0), 40)
+        assert torch.equal(a, b), (scheme, rows, (a - b).abs().max().item())
+
+
 def _assert_q8_scheme_exactly(w: torch.Tensor, x: torch.Tensor, scheme: str, ext) -> None:
     k = w.shape[1]
     lin = torch.nn.Linear(k, 24, bias=False)
