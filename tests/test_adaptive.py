@@ -410,6 +410,57 @@ def test_online_costs_price_k_with_what_the_steps_measured():
     assert oc.snapshot()[1]["plain_ms"] == pytest.approx(40.0)
 
 
+def test_plain_steps_that_remeasure_the_baseline_space_out_as_the_predicted_gain_grows():
+    """One step in explore_every runs plain near a gain of 1 (or when the gain is unknown); at 1.25x twice as far
+    apart, at 1.5x and more four times: there the baseline would have to be off by half to flip the choice."""
+    from specbuild.engines.embedded.adaptive import OnlineCosts, explore_spacing
+
+    assert [explore_spacing(g) for g in (None, 0.8, 1.0, 1.24, 1.25, 1.49, 1.5, 3.0)] == [1, 1, 1, 1, 2, 2, 4, 4]
+    oc = OnlineCosts(min_samples=3, explore_every=4)
+    for _ in range(3):
+        oc.observe(1, 4, 4, t_propose=0.12, t_score=0.05)
+    assert oc.wants_plain(1, 3.0)                                   # the first samples: whatever the gain
+    for _ in range(3):
+        oc.observe(1, 0, 0, t_propose=0.0, t_score=0.04)
+    due = {}
+    for gain in (None, 1.1, 1.3, 2.0):
+        oc.observe(1, 0, 0, t_propose=0.0, t_score=0.04)            # a plain step: the count starts over
+        steps = 0
+        while not oc.wants_plain(1, gain):
+            oc.observe(1, 4, 4, t_propose=0.12, t_score=0.05)
+            steps += 1
+        due[gain] = steps
+    assert due == {None: 4, 1.1: 4, 1.3: 8, 2.0: 16}
+
+
+def test_the_planner_runs_fewer_plain_steps_where_drafting_is_predicted_to_pay_more():
+    """Through KPlanner.plan, one adaptive sequence over 400 steps after the online costs are measured: with a
+    cheap draft and an acceptance near 1 (predicted ~2x) one plain step after 4 x 16 drafting ones; with one that
+    pays ~1.2x, after 16. The plain steps zero the K the sequence chose (its history says 0 for them)."""
+    from types import SimpleNamespace
+
+    from specbuild.engines.embedded.kplan import KPlanner
+
+    def plain_steps(alpha: float, t_draft: float) -> int:
+        kp = KPlanner(calibration=CALIBRATION, online_costs=True)
+        tr = AcceptanceTracker(alpha, strength=1e9)                  # a fixed acceptance: nothing to learn
+        s = SimpleNamespace(adaptive=tr, proposer="draft", num_draft_tokens=8, forced_k=False,
+                            num_generated=0, params=SimpleNamespace(max_tokens=10_000))
+        zeros = 0
+        for step in range(440):
+            [k], _ = kp.plan([s], Policy(k="adaptive"))
+            assert tr.history[-1] == k
+            if step >= 40:
+                zeros += k == 0
+            kp.observe(1, [s], [SimpleNamespace(token_ids=[0] * k)] if k else [None],
+                       t_propose=k * t_draft, t_score=0.04 + 0.002 * k if k else 0.04)
+        return zeros
+
+    # a plain step after every 64 (16) drafting ones: one in 65 (17) steps
+    assert plain_steps(0.99, 0.004) in range(400 // 65, 400 // 65 + 2)   # ~2x predicted: 6-7 plain steps
+    assert plain_steps(0.5, 0.008) in range(400 // 17, 400 // 17 + 2)    # ~1.2x predicted: 23-24
+
+
 def test_slow_verifies_at_a_k_no_longer_chosen_age_out_so_probes_can_turn_drafting_back_on():
     """A cold start's slow verifies at K 4 priced drafting out (K = 0). At K = 0 only K = 1 probes run, so K 4 is
     never measured again: without aging, its old median keeps the fitted verify line steep and adaptive K stays at

@@ -292,6 +292,19 @@ def cutoff_from_speedups(speedup: dict[int, float], max_batch_size: int) -> tupl
     return crossover, (max(paid) if paid else 0)
 
 
+EXPLORE_SPACING = ((1.5, 4), (1.25, 2))   # (predicted gain at least, plain steps this many times further apart)
+
+
+def explore_spacing(gain: float | None) -> int:
+    """How many times `OnlineCosts.explore_every` apart the plain steps that re-measure the baseline run, for a
+    step whose drafting is predicted to give `gain` (its tokens per plain-step cost over plain decoding's). Near
+    1 (or unknown) every `explore_every` steps: a baseline a little off flips the choice there. At 1.5x and more
+    the baseline would have to be off by half to make plain decoding the better choice, so a quarter as often."""
+    if gain is None:
+        return 1
+    return next((m for at, m in EXPLORE_SPACING if gain >= at), 1)
+
+
 class OnlineCosts:
     """Step costs measured while serving, per number of sequences in the step (n), for adaptive K.
 
@@ -305,7 +318,11 @@ class OnlineCosts:
     fitted as a line like the calibration's; where the Ks measured span less than 2, at least the calibration's
     slope: `narrow_verify_curve`). Until `min_samples` plain and drafting steps were seen at n, it
     returns `base` (the calibration). While sequences keep drafting, every `explore_every`-th step at n is run
-    plain (`wants_plain`) so the baseline stays measured: speculation is judged against what off costs now.
+    plain (`wants_plain`) so the baseline stays measured: speculation is judged against what off costs now;
+    `explore_spacing` times further apart where the step's predicted gain is far from 1, since there a plain step
+    that measures the baseline cannot change the choice and costs the gain it gives up (by the cost model, at 2x
+    with K 8 rounds of 3.3 plain steps, a plain step after 16 drafting ones costs 0.9 % of the tokens per second,
+    after 64 0.2 %; two alternating `bench_adaptive` pairs on an AMD EPYC Zen 4 could not resolve it: +-3 %).
     A K not verified in the last `stale_after` steps at n leaves the fit (`fresh_verify_keys`).
     """
 
@@ -336,13 +353,15 @@ class OnlineCosts:
         if draft_steps > 0:
             self._add(self.draft_step, n, t_propose / draft_steps)
 
-    def wants_plain(self, n: int) -> bool:
-        """Run this step plain to (re)measure the baseline at n: too few plain samples, or none for a while."""
+    def wants_plain(self, n: int, gain: float | None = None) -> bool:
+        """Run this step plain to (re)measure the baseline at n: too few plain samples, or none for a while (
+        `explore_every` steps, times `explore_spacing(gain)`: gain is the predicted speedup of what the step would
+        draft; None: unknown, the closest spacing)."""
         if not self.verify_keys(n):
             return False                                  # nobody drafted at n yet: nothing to compare
         if len(self.plain.get(n, ())) < self.min_samples:
             return True
-        return self._since_plain.get(n, 0) >= self.explore_every
+        return self._since_plain.get(n, 0) >= self.explore_every * explore_spacing(gain)
 
     def verify_keys(self, n: int) -> list[int]:
         return sorted(k for (m, k) in self.verify if m == n)

@@ -10,7 +10,8 @@ For each running sequence, in this order:
    nearest calibrated concurrency); several adaptive sequences of one proposer in a step share one batch-optimal
    K, since a batched step drafts as often as its largest K;
 4. while sequences keep drafting, one step in `OnlineCosts.explore_every` runs plain so that speculation is
-   always judged against what plain decoding costs now.
+   always judged against what plain decoding costs now (up to 4 times fewer where the step's predicted gain is
+   far from 1: `adaptive.explore_spacing`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 
 from specbuild.engines.embedded.adaptive import (AcceptanceTracker, CostModel, OnlineCosts, choose_batch_k, cost_models,
-                                                 prior_alphas, prior_strength)
+                                                 expected_tokens, prior_alphas, prior_strength)
 from specbuild.engines.embedded.config import Policy
 from specbuild.engines.embedded.sequence import Sequence
 
@@ -80,28 +81,43 @@ class KPlanner:
         self.cutoff_steps_total += cutoff
         self.steps_total += 1
         self.sequence_steps_total += n
-        explore = self.online is not None and not any(s.forced_k for s in seqs) and self.online.wants_plain(n)
         # priced only for the proposers of adaptive sequences that may draft in this step: a step over the
         # cut-off (or with none adaptive) plans exactly like speculation off, with no cost model to build
         costs = {p: self.cost(p, n) for p in dict.fromkeys(
             s.proposer for s in seqs if s.adaptive is not None and s.num_draft_tokens > 0 and not cutoff)}
-        ks = [self._k(s, cutoff, costs, explore) for s in seqs]
+        ks = [self._k(s, cutoff, costs) for s in seqs]
         self._share(seqs, ks, costs)
+        adaptive = [i for i, s in enumerate(seqs) if s.adaptive is not None and ks[i] > 0]
+        if (adaptive and self.online is not None and not any(s.forced_k for s in seqs)
+                and self.online.wants_plain(n, self._gain(seqs, ks, costs, adaptive))):
+            for i in adaptive:                       # a plain step to keep the online baseline measured
+                ks[i] = 0
+                seqs[i].adaptive.history[-1] = 0
         return ks, cutoff
+
+    @staticmethod
+    def _gain(seqs: list[Sequence], ks: list[int], costs: dict[str, CostModel], idx: list[int]) -> float:
+        """The predicted speedup of the drafting the adaptive sequences `idx` planned: per proposer, their expected
+        tokens over a plain step's (one each) per unit of the step's cost at its largest K; the lowest of the
+        proposers (the one closest to giving its gain up)."""
+        gains = []
+        for p, cost in costs.items():
+            mine = [i for i in idx if seqs[i].proposer == p]
+            if mine:
+                tokens = sum(expected_tokens(seqs[i].adaptive.alpha, ks[i]) for i in mine)
+                gains.append(tokens / (len(mine) * cost.cost(max(ks[i] for i in mine))))
+        return min(gains, default=1.0)
 
     @staticmethod
     def _cap(s: Sequence) -> int:
         return max(0, min(s.num_draft_tokens, s.params.max_tokens - s.num_generated - 1))
 
-    def _k(self, s: Sequence, cutoff: bool, costs: dict[str, CostModel], explore: bool) -> int:
+    def _k(self, s: Sequence, cutoff: bool, costs: dict[str, CostModel]) -> int:
         if (cutoff and not s.forced_k) or s.num_draft_tokens <= 0:
             return 0
         k = self._cap(s)
         if s.adaptive is not None:
             k = s.adaptive.next_k(costs[s.proposer], k)
-            if explore and k > 0:                    # a plain step to keep the online baseline measured
-                k = 0
-                s.adaptive.history[-1] = 0
         return k
 
     def _share(self, seqs: list[Sequence], ks: list[int], costs: dict[str, CostModel]) -> None:
