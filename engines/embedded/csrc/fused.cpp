@@ -396,22 +396,37 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, floa
   }
 }
 
+// Q8_0 on VNNI: vpdpbusd multiplies unsigned bytes by signed ones, and both Q8_0 operands are signed. Each row's
+// x goes in as x + 128 (QRow::u) beside the signed weights, and 128 times the weights' sum (one more vpdpbusd a
+// step, against all-ones, shared by the tile's rows) comes off once a block: the same int32 per lane as the
+// sign-moved product it replaces (|sum| <= 32 x 255 x 127: no overflow), so the same outputs, bitwise, without a
+// masked byte subtraction per row and step. The target's Q8_0 head screen (49152 x 576), AMD EPYC Zen 4, 2 threads,
+// medians of 15 interleaved, 3 alternating processes each: 9 rows 2.42-2.56 -> 1.35-1.62 ms, 36 rows 9.97-10.54
+// -> 4.66-5.39 ms, 1 row 1.07-1.15 -> 0.99-1.18 ms (memory-bound); a 4 x 9-row verify 55.5-57.6 -> 48.4-55.3 ms.
+#if defined(SPECBUILD_AVX512) && defined(__AVX512VNNI__)
+constexpr bool Q8_UNSIGNED_X = true;
+#else
+constexpr bool Q8_UNSIGNED_X = false;   // maddubs (no VNNI) saturates 16-bit pairs: (x + 128) w would not fit
+#endif
+
 // The quantized rows of one call, in buffers of the calling thread kept between calls (no allocation a call)
 struct QRows {
   std::vector<int8_t> q;
   std::vector<uint8_t> u;
   std::vector<float> d, s;
   std::vector<QRow> rows;
-  const QRow* quantize(const float* x, int64_t M, int64_t K) {
+  // unsigned_x: also each row's x + 128 (QRow::u; nullptr otherwise), which only the Q8_0 kernel on VNNI reads
+  const QRow* quantize(const float* x, int64_t M, int64_t K, bool unsigned_x) {
     const int64_t nb = K / QK;
-    if (static_cast<int64_t>(q.size()) < M * K) { q.resize(M * K); u.resize(M * K); }
+    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+    if (unsigned_x && static_cast<int64_t>(u.size()) < M * K) u.resize(M * K);
     if (static_cast<int64_t>(d.size()) < M * nb) { d.resize(M * nb); s.resize(M * nb); }
     rows.resize(M);
     for (int64_t r = 0; r < M; r++) {
       int8_t* qr = q.data() + r * K;
-      uint8_t* ur = u.data() + r * K;
+      uint8_t* ur = unsigned_x ? u.data() + r * K : nullptr;
       quantize_row_q8(x + r * K, K, qr, d.data() + r * nb, s.data() + r * nb);
-      for (int64_t i = 0; i < K; i += 32)                  // q + 128, unsigned: the byte's top bit flipped
+      for (int64_t i = 0; unsigned_x && i < K; i += 32)    // q + 128, unsigned: the byte's top bit flipped
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(ur + i),
                             _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + i)),
                                              _mm256_set1_epi8(static_cast<char>(0x80))));
@@ -456,19 +471,10 @@ inline IV iv_dot_signed(IV acc, const SignedW& w, IV x) {     // |w| x (x with w
 }
 inline Vec vcvt(IV v) { return _mm512_cvtepi32_ps(v); }
 #if defined(__AVX512VNNI__)
-// Q8_0 on VNNI: vpdpbusd multiplies unsigned bytes by signed ones, and both Q8_0 operands are signed. Each row's
-// x goes in as x + 128 (QRow::u) beside the signed weights, and 128 times the weights' sum (one more vpdpbusd a
-// step, against all-ones, shared by the tile's rows) comes off once a block: the same int32 per lane as the
-// sign-moved product it replaces (|sum| <= 32 x 255 x 127: no overflow), so the same outputs, bitwise, without a
-// masked byte subtraction per row and step. The target's Q8_0 head screen (49152 x 576), AMD EPYC Zen 4, 2 threads,
-// medians of 15 interleaved, 3 alternating processes each: 9 rows 2.42-2.56 -> 1.35-1.62 ms, 36 rows 9.97-10.54
-// -> 4.66-5.39 ms, 1 row 1.07-1.15 -> 0.99-1.18 ms (memory-bound); a 4 x 9-row verify 55.5-57.6 -> 48.4-55.3 ms.
-constexpr bool Q8_UNSIGNED_X = true;
 constexpr bool IV_DOT16 = false;
 inline IV iv_dot16(IV a, IV, IV) { return a; }
 inline IV iv_widen16(IV a) { return a; }
 #else                                        // as AVX2's below
-constexpr bool Q8_UNSIGNED_X = false;        // maddubs saturates 16-bit pairs: (x + 128) w would not fit
 constexpr bool IV_DOT16 = true;
 inline IV iv_dot16(IV acc16, IV w_u8, IV x_s8) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w_u8, x_s8)); }
 inline IV iv_widen16(IV s16) { return _mm512_madd_epi16(s16, _mm512_set1_epi16(1)); }
@@ -497,7 +503,6 @@ inline Vec vcvt(IV v) { return _mm256_cvtepi32_ps(v); }
 // The int4 draft's linears (a 30-layer 576-wide model), AVX2 build on an Intel Xeon, 2 threads, medians of 3
 // processes: 1 row 2.51 -> 2.07 ms, 2 rows 2.92 -> 2.45, 4 rows 4.96 -> 4.40, 8 rows 9.46 -> 8.10 (bench/README.md,
 // "2026-12-06 evening"). Q8_0's products reach 127 x 127: it keeps the 32-bit sums.
-constexpr bool Q8_UNSIGNED_X = false;
 constexpr bool IV_DOT16 = true;
 inline IV iv_dot16(IV acc16, IV w_u8, IV x_s8) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w_u8, x_s8)); }
 inline IV iv_widen16(IV s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
@@ -583,7 +588,7 @@ void block_gemm_q8_t(const float* x, int64_t M, int64_t K, const void* qs, const
   const int64_t nb = K / QK, groups = (N + IGROUP - 1) / IGROUP;
   constexpr int64_t gbytes_per_block = (KIND == 1 ? 4 : 8) * 64;
   static thread_local QRows buffers;
-  const QRow* rows = buffers.quantize(x, M, K);
+  const QRow* rows = buffers.quantize(x, M, K, KIND == 2 && Q8_UNSIGNED_X);
   parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     alignas(64) float out[IQ_ROWS * IGROUP];
     const QRow* xr[IQ_ROWS];
@@ -1513,7 +1518,7 @@ std::vector<int64_t> screened_argmax(torch::Tensor x, torch::Tensor qs4, torch::
   if (static_cast<int64_t>(rough.size()) < M * N) rough.resize(M * N);
   block_gemm_q8_t<1>(xp, M, K, qs4.data_ptr(), static_cast<const uint16_t*>(d4.data_ptr()),
                      static_cast<const uint16_t*>(m4.data_ptr()), nullptr, rough.data(), N);
-  const QRow* rows = qrows.quantize(xp, M, K);               // the same rows block_gemm_q8_t quantized
+  const QRow* rows = qrows.quantize(xp, M, K, Q8_UNSIGNED_X);  // the rows block_gemm_q8_t quantized, for Q8_0
   constexpr int64_t STEPS = 8, GB = STEPS * 64;              // Q8_0: 64-byte vectors, bytes of a group's block
   gq.assign(nb * GB, 0);
   gd.assign(nb * IGROUP, 0);
